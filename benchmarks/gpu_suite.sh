@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The GPU job: kernel warm-up, tests, dense benchmark. Run from the repo root on a GPU machine:
+#
+#   bash benchmarks/gpu_suite.sh            # everything
+#   bash benchmarks/gpu_suite.sh quick      # tests without the seqlen-2048 cases, bench --quick
+#   SUITE_TESTS="tests/test_gpu_dense.py -k fwd" bash benchmarks/gpu_suite.sh
+#
+# Results go to $OUT (default ./gpu_out), six files: prewarm.log, gpu_tests.log,
+# gpu_tests.xml, bench.log, bench_dense.json, cupy_cache.tar.gz. The NVRTC cache lives in
+# ./.cupy_cache (git-ignored); carry it to the next machine to skip compiling.
+# Env: PYTHON (default python3), SUITE_TESTS (pytest arguments, shell-quoted),
+# PREWARM=0 to skip the parallel compile, PREWARM_JOBS (default: CPU count).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=${1:-full}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR="$PWD/.cupy_cache"
+mkdir -p "$CUPY_CACHE_DIR"
+echo "cupy cache: $CUPY_CACHE_DIR ($(find "$CUPY_CACHE_DIR" -type f | wc -l) files at start)"
+
+nvidia-smi -L
+"$PY" -c "import cupy, numpy; rt = cupy.cuda.runtime.runtimeGetVersion(); \
+print('python', __import__('sys').version.split()[0], '| cupy', cupy.__version__, \
+'| numpy', numpy.__version__, '| CUDA runtime', rt)"
+
+# 1. Compile every kernel instantiation the config table can pick on this GPU, in parallel
+#    processes, into CuPy's on-disk cache: one NVRTC compile per instantiation would otherwise
+#    run one after another inside the tests. Failures are only reported here; the tests show them.
+if [ "${PREWARM:-1}" != 0 ]; then
+    SECONDS=0
+    PREWARM_PY=$(mktemp -d)/prewarm.py    # a real file: spawned workers re-import it
+    cat > "$PREWARM_PY" <<'EOF'
+import multiprocessing as mp
+import os
+import re
+import time
+
+
+def compile_one(item):
+    filename, name = item
+    t0 = time.perf_counter()
+    try:
+        import cupy
+        from cupyflash import _compile
+        with cupy.cuda.Device(0):
+            _compile._module(0, filename, (name,)).get_function(name)
+        return filename, name, time.perf_counter() - t0, None
+    except Exception as e:
+        return filename, name, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+
+
+def main():
+    import cupy
+    from cupyflash import _launch
+    limit = cupy.cuda.Device(0).attributes["MaxSharedMemoryPerBlockOptin"]
+    names = _launch.kernel_names(limit)
+    def longest_first(item):
+        # Backward and big head dims first: the longest compiles start early.
+        filename, name = item
+        m = re.search(r"<\w+, (\d+)", name)
+        return (filename == "generic.cu", -(int(m.group(1)) if m else 0), filename != "bwd.cu")
+
+    items = sorted(((f, n) for f, ns in names.items() for n in dict.fromkeys(ns)),
+                   key=longest_first)
+    jobs = int(os.environ.get("PREWARM_JOBS") or os.cpu_count() or 4)
+    print(f"prewarm: {len(items)} kernels, {jobs} processes, smem limit {limit}", flush=True)
+    t0 = time.perf_counter()
+    done, failed = [], []
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        for filename, name, sec, err in pool.imap_unordered(compile_one, items):
+            done.append((sec, filename, name))
+            if err:
+                failed.append((filename, name, err))
+                print(f"FAILED {filename} {name}: {err.splitlines()[0][:300]}", flush=True)
+    wall = time.perf_counter() - t0
+    done.sort(reverse=True)
+    print(f"prewarm: {len(done) - len(failed)} ok, {len(failed)} failed, {wall:.0f} s wall, "
+          f"{sum(d[0] for d in done):.0f} s of compiling")
+    for sec, filename, name in done[:8]:
+        print(f"  slowest: {sec:6.1f} s  {filename} {name}")
+    for filename, name, err in failed[:3]:
+        print(f"--- {filename} {name}\n{err[:3000]}")
+
+
+if __name__ == "__main__":
+    main()
+EOF
+    "$PY" "$PREWARM_PY" 2>&1 | tee "$OUT/prewarm.log"
+    echo "prewarm took ${SECONDS} s"
+fi
+
+# 2. Tests (the suite goes on to the benchmark even if they fail).
+if [ -n "${SUITE_TESTS:-}" ]; then
+    eval "TESTS=($SUITE_TESTS)"
+elif [ "$MODE" = quick ]; then
+    TESTS=(tests -k "not 2048")
+else
+    TESTS=(tests)
+fi
+TIMEOUT=()
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    TIMEOUT=(--timeout=600)
+fi
+SECONDS=0
+"$PY" -m pytest "${TESTS[@]}" -q -rs "${TIMEOUT[@]}" -p no:cacheprovider \
+    --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+TEST_RC=${PIPESTATUS[0]}
+echo "tests took ${SECONDS} s (exit $TEST_RC)"
+
+# 3. Benchmark.
+BENCH_ARGS=(--out "$OUT")
+[ "$MODE" = quick ] && BENCH_ARGS+=(--quick)
+SECONDS=0
+"$PY" benchmarks/bench_dense.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log"
+BENCH_RC=${PIPESTATUS[0]}
+echo "benchmark took ${SECONDS} s (exit $BENCH_RC)"
+
+# 4. The compile cache, so the next machine need not compile again.
+tar -czf "$OUT/cupy_cache.tar.gz" -C "$PWD" .cupy_cache
+SIZE=$(stat -c %s "$OUT/cupy_cache.tar.gz")
+echo "cupy cache: $(find "$CUPY_CACHE_DIR" -type f | wc -l) files, tarball $((SIZE / 1024)) KiB"
+if [ "$SIZE" -gt $((15 * 1024 * 1024)) ]; then
+    echo "WARNING: cupy_cache.tar.gz is over 15 MiB and may not come back from the device"
+fi
+
+# 5. Summary, last.
+echo
+echo "=== summary ==="
+grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" "$OUT/gpu_tests.log" \
+    | tail -n 1 || echo "no pytest summary line (exit $TEST_RC)"
+sed -n '/^=== bench_dense table ===/,$p' "$OUT/bench.log" | tail -n +2
+[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

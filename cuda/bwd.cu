@@ -1,0 +1,403 @@
+// Backward pass (FlashAttention 2):
+//   1. bwd_preprocess_kernel: D = rowsum(dout * out), one warp per row, any dtype.
+//   2. flash_bwd_dkdv_kernel: one thread block per (key block, kv head, batch) keeps dK and dV
+//      in registers while it walks every query block of every query head of its group
+//      (GQA sums therefore need no atomics). Per query block, with P recomputed from lse:
+//        S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)
+//        dV += P^T dO, dK += dS^T Q, and (AtomicDQ) dQ += dS K added into an fp32 buffer.
+//   3. bwd_convert_dq_kernel: the fp32 dQ buffer, times the scale, to the output dtype; or
+//      flash_bwd_dq_kernel: dQ in its own query-block-parallel pass, no atomics, so repeated
+//      runs give bit-identical dq (deterministic=True).
+#include "common.cuh"
+#include "mask.cuh"
+#include "block_iter.cuh"
+
+template <typename Acc>
+__device__ __forceinline__ Acc* stat_ptr(const BwdParams& p, void* base, int b, int h, int row) {
+    return static_cast<Acc*>(base) + (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + row;
+}
+
+// grid (ceil(seqlen_q / 8), nheads, batch), 256 threads: one warp per query row.
+template <typename Elem>
+__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) {
+    typedef ElemTraits<Elem> Tr;
+    typedef typename Tr::storage S;
+    typedef typename Tr::acc Acc;
+    const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int b = blockIdx.z, h = blockIdx.y;
+    if (row >= p.seqlen_q) return;
+    const S* o = row_ptr<const S>(p.o, b, h, row);
+    const S* dout = row_ptr<const S>(p.dout, b, h, row);
+    Acc sum = 0;
+    for (int c = lane; c < p.headdim; c += 32) sum += Tr::load(o + c) * Tr::load(dout + c);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) *stat_ptr<Acc>(p, p.dsum, b, h, row) = sum;
+}
+
+// grid (ceil(seqlen_q / 8), nheads, batch), 256 threads: one warp per query row.
+template <typename Elem>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const BwdParams p) {
+    const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int b = blockIdx.z, h = blockIdx.y;
+    if (row >= p.seqlen_q) return;
+    const float* acc = p.dq_accum + ((static_cast<index_t>(b) * p.seqlen_q + row) * p.nheads + h) * p.headdim;
+    u16* dq = row_ptr<u16>(p.dq, b, h, row);
+    const float scale = static_cast<float>(p.scale);
+    for (int c = lane; c < p.headdim; c += 32) ElemTraits<Elem>::store(dq + c, acc[c] * scale);
+}
+
+// lse of rows [row0, row0 + Rows) in log2 units into shared memory; +inf for rows past the
+// end and for rows that see no key, so that exp2(s - lse) is exactly 0 there. Also D.
+template <int Rows>
+__device__ __forceinline__ void load_row_stats(const BwdParams& p, float* sLse, float* sD, int b, int h, int row0) {
+    for (int r = threadIdx.x; r < Rows; r += blockDim.x) {
+        const int row = row0 + r;
+        float lse = __int_as_float(0x7f800000), d = 0.f;
+        if (row < p.seqlen_q) {
+            const float l = *stat_ptr<float>(p, const_cast<void*>(p.lse), b, h, row);
+            if (l != neg_inf()) lse = l * LOG2E;
+            d = *stat_ptr<float>(p, p.dsum, b, h, row);
+        }
+        sLse[r] = lse;
+        sD[r] = d;
+    }
+}
+
+// The largest multiple of 16 that divides W and is at most 64: the column chunk of dQ that
+// a warp accumulates at a time, which bounds its registers whatever the head dim.
+__host__ __device__ constexpr int dq_chunk(int W) {
+    return W % 64 == 0 ? 64 : W % 48 == 0 ? 48 : W % 32 == 0 ? 32 : 16;
+}
+
+template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, bool Causal, bool AtomicDQ>
+__global__ void __launch_bounds__(NWarps * 32)
+flash_bwd_dkdv_kernel(const BwdParams p) {
+    constexpr int Threads = NWarps * 32;
+    constexpr int LD = HeadDim + SMEM_PAD;
+    constexpr int LDP = Br + SMEM_PAD;        // rows of P^T and dS^T
+    constexpr int WK = Bc / 16;               // warps along keys
+    constexpr int WQ = NWarps / WK;           // ... along queries (S^T) and head dim (dK, dV)
+    constexpr int QW = Br / WQ;               // queries of a warp's S^T slice
+    constexpr int DW = HeadDim / WQ;          // head-dim columns of a warp's dK/dV slice
+    constexpr int RT = Br / 16;               // dQ: 16-row tiles ...
+    constexpr int CS = NWarps / RT;           // ... times column splits
+    constexpr int CW = HeadDim / CS;          // dQ columns of a warp
+    constexpr int CH = dq_chunk(CW);
+    static_assert(WK * WQ == NWarps && QW % 16 == 0 && DW % 16 == 0, "warp grid over keys x queries");
+    static_assert(RT * CS == NWarps && CW % 16 == 0, "warp grid over the dQ tile");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    u16* sK = reinterpret_cast<u16*>(smem);
+    u16* sV = sK + Bc * LD;
+    u16* sQ = sV + Bc * LD;
+    u16* sdO = sQ + Br * LD;
+    u16* sPt = sdO + Br * LD;
+    u16* sdSt = sPt + Bc * LDP;
+    float* sLse = reinterpret_cast<float*>(sdSt + Bc * LDP);
+    float* sD = sLse + Br;
+
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const int col0 = blockIdx.x * Bc;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int kw = warp % WK, qw = warp / WK;
+    const bool vec_ok = p.vec_ok != 0;
+    const float scale_log2 = p.scale_log2;
+
+    const u32 sKa = smem_addr(sK), sVa = smem_addr(sV), sQa = smem_addr(sQ), sdOa = smem_addr(sdO);
+    const u32 sPta = smem_addr(sPt), sdSta = smem_addr(sdSt);
+
+    load_tile<Bc, HeadDim, Threads>(sK, row_ptr<const u16>(p.k, b, hk, col0), p.k.row_stride,
+                                    p.seqlen_k - col0, p.headdim, vec_ok);
+    load_tile<Bc, HeadDim, Threads>(sV, row_ptr<const u16>(p.v, b, hk, col0), p.v.row_stride,
+                                    p.seqlen_k - col0, p.headdim, vec_ok);
+
+    const QueryBlocks qb = query_blocks<Causal>(col0, Br, Bc, p.seqlen_q, p.seqlen_k);
+    const int steps = qb.count() * p.group;   // (query head of the group, query block) pairs
+
+    // Fetch Q, dO, lse and D of step j.
+    auto prefetch = [&](int j) {
+        const int h = hk * p.group + j / qb.count();
+        const int m0 = qb.block(j % qb.count()) * Br;
+        load_tile<Br, HeadDim, Threads>(sQ, row_ptr<const u16>(p.q, b, h, m0), p.q.row_stride,
+                                        p.seqlen_q - m0, p.headdim, vec_ok);
+        load_tile<Br, HeadDim, Threads>(sdO, row_ptr<const u16>(p.dout, b, h, m0), p.dout.row_stride,
+                                        p.seqlen_q - m0, p.headdim, vec_ok);
+        load_row_stats<Br>(p, sLse, sD, b, h, m0);
+    };
+    if (steps > 0) prefetch(0);
+    cp_async_commit();
+
+    float dk[DW / 8][4], dv[DW / 8][4];
+#pragma unroll
+    for (int i = 0; i < DW / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { dk[i][e] = 0.f; dv[i][e] = 0.f; }
+
+    for (int j = 0; j < steps; ++j) {
+        const int h = hk * p.group + j / qb.count();
+        const int m0 = qb.block(j % qb.count()) * Br;
+        cp_async_wait<0>();
+        __syncthreads();   // Q, dO, lse, D of step j have landed; last step's dQ reads are done
+
+        // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x QW queries.
+        float st[QW / 8][4], dpt[QW / 8][4];
+#pragma unroll
+        for (int i = 0; i < QW / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { st[i][e] = 0.f; dpt[i][e] = 0.f; }
+#pragma unroll
+        for (int ks = 0; ks < HeadDim / 16; ++ks) {
+            u32 ak[4], av[4];
+            const int a_off = ((kw * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8) * 2;
+            ldmatrix_x4(ak, sKa + a_off);
+            ldmatrix_x4(av, sVa + a_off);
+#pragma unroll
+            for (int np = 0; np < QW / 16; ++np) {
+                const int b_off = ((qw * QW + np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + ks * 16 + ((lane >> 3) & 1) * 8) * 2;
+                u32 bq[4], bo[4];
+                ldmatrix_x4(bq, sQa + b_off);
+                ldmatrix_x4(bo, sdOa + b_off);
+                mma_16816<Elem>(st[2 * np], ak, bq[0], bq[1]);
+                mma_16816<Elem>(st[2 * np + 1], ak, bq[2], bq[3]);
+                mma_16816<Elem>(dpt[2 * np], av, bo[0], bo[1]);
+                mma_16816<Elem>(dpt[2 * np + 1], av, bo[2], bo[3]);
+            }
+        }
+
+        const bool masked = pair_needs_mask<Causal>(m0, col0, Bc, p.seqlen_q, p.seqlen_k);
+#pragma unroll
+        for (int nt = 0; nt < QW / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = qw * QW + nt * 8 + 2 * t + (e & 1);     // query within the block
+                const int key = col0 + kw * 16 + g + (e >= 2 ? 8 : 0);
+                float pv = fast_exp2(fmaf(st[nt][e], scale_log2, -sLse[qi]));
+                if (masked && key >= key_end<Causal>(m0 + qi, p.seqlen_q, p.seqlen_k)) pv = 0.f;
+                st[nt][e] = pv;
+                dpt[nt][e] = pv * (dpt[nt][e] - sD[qi]);
+            }
+            const int c = qw * QW + nt * 8 + 2 * t;
+            const int r = kw * 16 + g;
+            *reinterpret_cast<u32*>(sPt + r * LDP + c) = pack2<Elem>(st[nt][0], st[nt][1]);
+            *reinterpret_cast<u32*>(sPt + (r + 8) * LDP + c) = pack2<Elem>(st[nt][2], st[nt][3]);
+            *reinterpret_cast<u32*>(sdSt + r * LDP + c) = pack2<Elem>(dpt[nt][0], dpt[nt][1]);
+            *reinterpret_cast<u32*>(sdSt + (r + 8) * LDP + c) = pack2<Elem>(dpt[nt][2], dpt[nt][3]);
+        }
+        __syncthreads();   // P^T and dS^T of the whole block are in shared memory
+
+        // dV += P^T dO and dK += dS^T Q for the warp's 16 keys x DW columns.
+#pragma unroll
+        for (int kk = 0; kk < Br / 16; ++kk) {
+            u32 ap[4], ads[4];
+            const int a_off = ((kw * 16 + (lane & 15)) * LDP + kk * 16 + (lane >> 4) * 8) * 2;
+            ldmatrix_x4(ap, sPta + a_off);
+            ldmatrix_x4(ads, sdSta + a_off);
+#pragma unroll
+            for (int dp = 0; dp < DW / 16; ++dp) {
+                const int b_off = ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + qw * DW + dp * 16 + (lane >> 4) * 8) * 2;
+                u32 bo[4], bq[4];
+                ldmatrix_x4_trans(bo, sdOa + b_off);
+                ldmatrix_x4_trans(bq, sQa + b_off);
+                mma_16816<Elem>(dv[2 * dp], ap, bo[0], bo[1]);
+                mma_16816<Elem>(dv[2 * dp + 1], ap, bo[2], bo[3]);
+                mma_16816<Elem>(dk[2 * dp], ads, bq[0], bq[1]);
+                mma_16816<Elem>(dk[2 * dp + 1], ads, bq[2], bq[3]);
+            }
+        }
+
+        if constexpr (AtomicDQ) {
+            __syncthreads();   // every warp is done with Q and dO: fetch the next step's
+            if (j + 1 < steps) prefetch(j + 1);
+            cp_async_commit();
+            // dQ (Br x HeadDim) += dS K, the warp's 16 rows x CW columns, CH at a time,
+            // added into the fp32 buffer (scaled in bwd_convert_dq_kernel).
+            const int rt = warp % RT, cs = warp / RT;
+#pragma unroll 1
+            for (int c0 = cs * CW; c0 < (cs + 1) * CW; c0 += CH) {
+                float acc[CH / 8][4];
+#pragma unroll
+                for (int i = 0; i < CH / 8; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < Bc / 16; ++kk) {
+                    u32 a[4];   // dS (queries x keys) read transposed from dS^T
+                    ldmatrix_x4_trans(a, sdSta + ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * LDP + rt * 16 + ((lane >> 3) & 1) * 8) * 2);
+#pragma unroll
+                    for (int dp = 0; dp < CH / 16; ++dp) {
+                        u32 bk[4];
+                        ldmatrix_x4_trans(bk, sKa + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + c0 + dp * 16 + (lane >> 4) * 8) * 2);
+                        mma_16816<Elem>(acc[2 * dp], a, bk[0], bk[1]);
+                        mma_16816<Elem>(acc[2 * dp + 1], a, bk[2], bk[3]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < CH / 8; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = m0 + rt * 16 + g + (e >= 2 ? 8 : 0);
+                        const int col = c0 + i * 8 + 2 * t + (e & 1);
+                        if (row < p.seqlen_q && col < p.headdim)
+                            atomicAdd(p.dq_accum + ((static_cast<index_t>(b) * p.seqlen_q + row) * p.nheads + h) * p.headdim + col,
+                                      acc[i][e]);
+                    }
+            }
+        } else {
+            __syncthreads();   // every warp is done with Q, dO, P^T and dS^T
+            if (j + 1 < steps) prefetch(j + 1);
+            cp_async_commit();
+        }
+    }
+
+    // dK = scale * dS^T Q. Stage both tiles in sK / sV (no longer read), then store.
+    cp_async_wait<0>();
+    __syncthreads();
+    const float scale = static_cast<float>(p.scale);
+#pragma unroll
+    for (int i = 0; i < DW / 8; ++i) {
+        const int r = kw * 16 + g, c = qw * DW + i * 8 + 2 * t;
+        *reinterpret_cast<u32*>(sK + r * LD + c) = pack2<Elem>(dk[i][0] * scale, dk[i][1] * scale);
+        *reinterpret_cast<u32*>(sK + (r + 8) * LD + c) = pack2<Elem>(dk[i][2] * scale, dk[i][3] * scale);
+        *reinterpret_cast<u32*>(sV + r * LD + c) = pack2<Elem>(dv[i][0], dv[i][1]);
+        *reinterpret_cast<u32*>(sV + (r + 8) * LD + c) = pack2<Elem>(dv[i][2], dv[i][3]);
+    }
+    __syncthreads();
+    store_tile<Bc, HeadDim, Threads>(sK, row_ptr<u16>(p.dk, b, hk, col0), p.dk.row_stride,
+                                     p.seqlen_k - col0, p.headdim, vec_ok);
+    store_tile<Bc, HeadDim, Threads>(sV, row_ptr<u16>(p.dv, b, hk, col0), p.dv.row_stride,
+                                     p.seqlen_k - col0, p.headdim, vec_ok);
+}
+
+// Deterministic dQ: one thread block per (query block, head, batch), warps own 16 query rows,
+// dQ stays in registers over the key blocks (the forward's iteration):
+//   S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
+template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, bool Causal>
+__global__ void __launch_bounds__(NWarps * 32)
+flash_bwd_dq_kernel(const BwdParams p) {
+    constexpr int Threads = NWarps * 32;
+    constexpr int LD = HeadDim + SMEM_PAD;
+    constexpr int NT = Bc / 8, DT = HeadDim / 8;
+    static_assert(Br == 16 * NWarps && Bc % 16 == 0, "one 16-row slice per warp");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    u16* sQ = reinterpret_cast<u16*>(smem);
+    u16* sdO = sQ + Br * LD;
+    u16* sK = sdO + Br * LD;
+    u16* sV = sK + Bc * LD;
+
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+    const int row0 = blockIdx.x * Br;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const bool vec_ok = p.vec_ok != 0;
+    const float scale_log2 = p.scale_log2;
+    const u32 sQa = smem_addr(sQ), sdOa = smem_addr(sdO), sKa = smem_addr(sK), sVa = smem_addr(sV);
+
+    load_tile<Br, HeadDim, Threads>(sQ, row_ptr<const u16>(p.q, b, h, row0), p.q.row_stride,
+                                    p.seqlen_q - row0, p.headdim, vec_ok);
+    load_tile<Br, HeadDim, Threads>(sdO, row_ptr<const u16>(p.dout, b, h, row0), p.dout.row_stride,
+                                    p.seqlen_q - row0, p.headdim, vec_ok);
+    cp_async_commit();
+
+    // Row statistics of the thread's two rows (g and g+8 of the warp's slice).
+    float lse2[2], dsum[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = row0 + warp * 16 + g + 8 * hf;
+        lse2[hf] = __int_as_float(0x7f800000);
+        dsum[hf] = 0.f;
+        if (row < p.seqlen_q) {
+            const float l = *stat_ptr<float>(p, const_cast<void*>(p.lse), b, h, row);
+            if (l != neg_inf()) lse2[hf] = l * LOG2E;
+            dsum[hf] = *stat_ptr<float>(p, p.dsum, b, h, row);
+        }
+    }
+
+    float dq[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
+
+    const KeyBlocks kb = key_blocks<Causal>(row0, Br, Bc, p.seqlen_q, p.seqlen_k);
+    const u16* gK = row_ptr<const u16>(p.k, b, hk, 0);
+    const u16* gV = row_ptr<const u16>(p.v, b, hk, 0);
+    for (int it = 0; it < kb.count; ++it) {
+        const int n0 = kb.block(it) * Bc;
+        __syncthreads();   // every warp is done with the previous K and V
+        load_tile<Bc, HeadDim, Threads>(sK, gK + n0 * p.k.row_stride, p.k.row_stride, p.seqlen_k - n0, p.headdim, vec_ok);
+        load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride, p.seqlen_k - n0, p.headdim, vec_ok);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        float s[NT][4], dp[NT][4];
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { s[i][e] = 0.f; dp[i][e] = 0.f; }
+#pragma unroll
+        for (int ks = 0; ks < HeadDim / 16; ++ks) {
+            u32 aq[4], ao[4];
+            const int a_off = ((warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8) * 2;
+            ldmatrix_x4(aq, sQa + a_off);
+            ldmatrix_x4(ao, sdOa + a_off);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                const int b_off = ((np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + ks * 16 + ((lane >> 3) & 1) * 8) * 2;
+                u32 bk[4], bv[4];
+                ldmatrix_x4(bk, sKa + b_off);
+                ldmatrix_x4(bv, sVa + b_off);
+                mma_16816<Elem>(s[2 * np], aq, bk[0], bk[1]);
+                mma_16816<Elem>(s[2 * np + 1], aq, bk[2], bk[3]);
+                mma_16816<Elem>(dp[2 * np], ao, bv[0], bv[1]);
+                mma_16816<Elem>(dp[2 * np + 1], ao, bv[2], bv[3]);
+            }
+        }
+
+        const bool masked = kb.needs_mask(it, Bc);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int hf = e >= 2;
+                const int row = row0 + warp * 16 + g + 8 * hf;
+                float pv = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[hf]));
+                if (masked && n0 + nt * 8 + 2 * t + (e & 1) >= key_end<Causal>(row, p.seqlen_q, p.seqlen_k)) pv = 0.f;
+                s[nt][e] = pv * (dp[nt][e] - dsum[hf]);   // dS
+            }
+
+        // dQ += dS K, dS converted in registers to the A-operand layout.
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack2<Elem>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2<Elem>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2<Elem>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2<Elem>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp2 = 0; dp2 < DT / 2; ++dp2) {
+                u32 bk[4];
+                ldmatrix_x4_trans(bk, sKa + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp2 * 16 + (lane >> 4) * 8) * 2);
+                mma_16816<Elem>(dq[2 * dp2], a, bk[0], bk[1]);
+                mma_16816<Elem>(dq[2 * dp2 + 1], a, bk[2], bk[3]);
+            }
+        }
+    }
+
+    // Stage the warp's own rows in sQ (only this warp read them) and store.
+    cp_async_wait<0>();
+    __syncthreads();
+    const float scale = static_cast<float>(p.scale);
+#pragma unroll
+    for (int i = 0; i < DT; ++i) {
+        const int r = warp * 16 + g, c = i * 8 + 2 * t;
+        *reinterpret_cast<u32*>(sQ + r * LD + c) = pack2<Elem>(dq[i][0] * scale, dq[i][1] * scale);
+        *reinterpret_cast<u32*>(sQ + (r + 8) * LD + c) = pack2<Elem>(dq[i][2] * scale, dq[i][3] * scale);
+    }
+    __syncthreads();
+    store_tile<Br, HeadDim, Threads>(sQ, row_ptr<u16>(p.dq, b, h, row0), p.dq.row_stride,
+                                     p.seqlen_q - row0, p.headdim, vec_ok);
+}

@@ -1,0 +1,169 @@
+// Element types, and thin wrappers over the PTX instructions the tensor-core kernels use:
+// ldmatrix, mma.sync m16n8k16, cp.async, ex2.approx. No CUDA headers are needed, so the
+// sources compile through NVRTC with no include path.
+#pragma once
+#include "params.cuh"
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// Tags for the 16-bit element types; tensors of them are handled as raw u16.
+struct fp16 {};
+struct bf16 {};
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int SMEM_PAD = 8;   // 16 bytes per smem row: rows start 4 banks apart (mirrors _config.SMEM_PAD)
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Two floats to a packed pair of 16-bit values, `lo` in the low half (PTX puts its first
+// source operand in the upper half).
+template <typename Elem> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<fp16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <typename Elem> __device__ __forceinline__ u16 from_float(float x) {
+    return static_cast<u16>(pack2<Elem>(x, 0.f) & 0xffffu);
+}
+
+// Loads of one element as float (16-bit types) or in its own precision.
+template <typename Elem> struct ElemTraits;
+template <> struct ElemTraits<fp16> {
+    typedef u16 storage; typedef float acc;
+    static __device__ __forceinline__ float load(const u16* p) {
+        float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p)); return f;
+    }
+    static __device__ __forceinline__ void store(u16* p, float x) { *p = from_float<fp16>(x); }
+};
+template <> struct ElemTraits<bf16> {
+    typedef u16 storage; typedef float acc;
+    static __device__ __forceinline__ float load(const u16* p) {
+        return __uint_as_float(static_cast<u32>(*p) << 16);
+    }
+    static __device__ __forceinline__ void store(u16* p, float x) { *p = from_float<bf16>(x); }
+};
+template <> struct ElemTraits<float> {
+    typedef float storage; typedef float acc;
+    static __device__ __forceinline__ float load(const float* p) { return *p; }
+    static __device__ __forceinline__ void store(float* p, float x) { *p = x; }
+};
+template <> struct ElemTraits<double> {
+    typedef double storage; typedef double acc;
+    static __device__ __forceinline__ double load(const double* p) { return *p; }
+    static __device__ __forceinline__ void store(double* p, double x) { *p = x; }
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// --- ldmatrix: four (or two) 8x8 16-bit matrices; lanes 8i..8i+7 give the row addresses
+// of matrix i. Register i then holds, in each lane, row lane/4, columns 2*(lane%4)+{0,1}
+// of matrix i (transposed with .trans).
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// --- mma.sync m16n8k16, fp32 accumulators: c += a * b.
+template <typename Elem> __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1);
+template <> __device__ __forceinline__ void mma_16816<fp16>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma_16816<bf16>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// --- cp.async: 16 bytes global -> shared, bypassing L1; src_bytes < 16 zero-fills the rest.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
+
+// Quad reductions: the four lanes holding one row of an mma accumulator.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// --- Tiles of a (batch, seq, head, dim) tensor in shared memory: Rows x HeadDim 16-bit
+// elements, row stride HeadDim + SMEM_PAD. Row r of the tile is tensor row row0 + r; rows at
+// or past `rows_valid` and columns at or past `d` are zero-filled, so the math on them is
+// harmless. All threads of the block take part.
+template <int Rows, int HeadDim, int Threads>
+__device__ __forceinline__ void load_tile(u16* tile, const u16* gbase, index_t row_stride,
+                                          int rows_valid, int d, bool vec_ok) {
+    constexpr int CHUNKS = HeadDim / 8;   // 16-byte chunks per row
+    constexpr int LD = HeadDim + SMEM_PAD;
+    for (int c = threadIdx.x; c < Rows * CHUNKS; c += Threads) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+        u16* dst = tile + r * LD + col;
+        const u16* src = gbase + r * row_stride + col;
+        const bool row_ok = r < rows_valid;
+        if (vec_ok) {
+            // d is a multiple of 8 here, so a chunk is either wholly in or wholly out.
+            const bool in = row_ok && col < d;
+            cp_async_16(smem_addr(dst), in ? src : gbase, in ? 16 : 0);
+        } else {
+            u16 v[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = (row_ok && col + e < d) ? src[e] : u16(0);
+            u32 w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) w[e] = v[2 * e] | (static_cast<u32>(v[2 * e + 1]) << 16);
+            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+// The reverse for outputs: rows < rows_valid and columns < d of the tile go to global memory.
+template <int Rows, int HeadDim, int Threads>
+__device__ __forceinline__ void store_tile(const u16* tile, u16* gbase, index_t row_stride,
+                                           int rows_valid, int d, bool vec_ok) {
+    constexpr int CHUNKS = HeadDim / 8;
+    constexpr int LD = HeadDim + SMEM_PAD;
+    for (int c = threadIdx.x; c < Rows * CHUNKS; c += Threads) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+        if (r >= rows_valid || col >= d) continue;
+        const u16* src = tile + r * LD + col;
+        u16* dst = gbase + r * row_stride + col;
+        if (vec_ok) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (col + e < d) dst[e] = src[e];
+        }
+    }
+}

@@ -1,0 +1,165 @@
+// Forward pass on tensor cores (fp16/bf16, fp32 accumulation), FlashAttention 2 partitioning:
+// one thread block per (query block of Br rows, head, batch); each warp owns MT slices of
+// 16 query rows and walks the key blocks of Bc keys:
+//   S = Q K^T (mma), mask, online softmax update, O += P V (P straight from registers).
+// K and V are single-buffered in shared memory, their loads overlapped with compute:
+// V_j is fetched while S_j = Q K_j^T is computed, K_{j+1} while O += P_j V_j is.
+#include "common.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+#include "block_iter.cuh"
+
+template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, bool Causal>
+__global__ void __launch_bounds__(NWarps * 32)
+flash_fwd_kernel(const FwdParams p) {
+    constexpr int Threads = NWarps * 32;
+    constexpr int MT = Br / (16 * NWarps);   // m16 tiles per warp
+    constexpr int NT = Bc / 8;               // n8 tiles of S
+    constexpr int DT = HeadDim / 8;          // n8 tiles of O
+    constexpr int LD = HeadDim + SMEM_PAD;
+    static_assert(MT >= 1 && Br == 16 * NWarps * MT, "warps own whole 16-row slices of the query block");
+    static_assert(Bc % 16 == 0 && HeadDim % 16 == 0, "tiles are made of 16x16 mma operands");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    u16* sQ = reinterpret_cast<u16*>(smem);
+    u16* sK = sQ + Br * LD;
+    u16* sV = sK + Bc * LD;
+
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+    const int row0 = blockIdx.x * Br;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;        // mma accumulator: row g (and g+8), columns 2t, 2t+1
+    const int wrow = warp * MT * 16;              // the warp's first row in the block
+    const bool vec_ok = p.vec_ok != 0;
+    const int rows_valid = p.seqlen_q - row0;
+
+    const u16* gQ = row_ptr<const u16>(p.q, b, h, row0);
+    const u16* gK = row_ptr<const u16>(p.k, b, hk, 0);
+    const u16* gV = row_ptr<const u16>(p.v, b, hk, 0);
+
+    const KeyBlocks kb = key_blocks<Causal>(row0, Br, Bc, p.seqlen_q, p.seqlen_k);
+
+    load_tile<Br, HeadDim, Threads>(sQ, gQ, p.q.row_stride, rows_valid, p.headdim, vec_ok);
+    if (kb.count > 0)
+        load_tile<Bc, HeadDim, Threads>(sK, gK + kb.block(0) * Bc * p.k.row_stride, p.k.row_stride,
+                                        p.seqlen_k - kb.block(0) * Bc, p.headdim, vec_ok);
+    cp_async_commit();
+
+    float acc[MT][DT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
+    OnlineSoftmax<2 * MT> softmax;
+    softmax.init();
+
+    const u32 sQa = smem_addr(sQ), sKa = smem_addr(sK), sVa = smem_addr(sV);
+
+    for (int it = 0; it < kb.count; ++it) {
+        const int n0 = kb.block(it) * Bc;
+        cp_async_wait<0>();
+        __syncthreads();   // K_j has landed, and every warp is done reading V_{j-1}
+        load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride,
+                                        p.seqlen_k - n0, p.headdim, vec_ok);
+        cp_async_commit();
+
+        // S = Q K^T
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < HeadDim / 16; ++ks) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(a[mt], sQa + ((wrow + mt * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8) * 2);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 bk[4];   // b0, b1 of n8 tiles 2np and 2np+1
+                ldmatrix_x4(bk, sKa + ((np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + ks * 16 + ((lane >> 3) & 1) * 8) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<Elem>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                    mma_16816<Elem>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
+
+        if (kb.needs_mask(it, Bc)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + wrow + mt * 16 + g + (e >= 2 ? 8 : 0);
+                    const int end = key_end<Causal>(row, p.seqlen_q, p.seqlen_k);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+                        if (n0 + nt * 8 + 2 * t + (e & 1) >= end) s[mt][nt][e] = neg_inf();
+                }
+        }
+        softmax.update(s, acc, p.scale_log2);
+
+        cp_async_wait<0>();
+        __syncthreads();   // V_j has landed, and every warp is done reading K_j
+        if (it + 1 < kb.count) {
+            const int n1 = kb.block(it + 1) * Bc;
+            load_tile<Bc, HeadDim, Threads>(sK, gK + n1 * p.k.row_stride, p.k.row_stride,
+                                            p.seqlen_k - n1, p.headdim, vec_ok);
+        }
+        cp_async_commit();
+
+        // O += P V, with P converted in registers from accumulator to A-operand layout.
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk) {
+            u32 pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack2<Elem>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack2<Elem>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack2<Elem>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 bv[4];   // b0, b1 of n8 tiles 2dp and 2dp+1
+                ldmatrix_x4_trans(bv, sVa + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * 16 + (lane >> 4) * 8) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<Elem>(acc[mt][2 * dp], pa[mt], bv[0], bv[1]);
+                    mma_16816<Elem>(acc[mt][2 * dp + 1], pa[mt], bv[2], bv[3]);
+                }
+            }
+        }
+    }
+
+    float inv_l[2 * MT], lse[2 * MT];
+    softmax.finalize(p.scale_log2, inv_l, lse);
+
+    // Normalize, stage the warp's own rows of O in sQ (no other warp reads them), then store
+    // the tile with 16-byte writes.
+    cp_async_wait<0>();
+    __syncthreads();   // with no key block, the Q tile may still be landing in sQ
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = wrow + mt * 16 + g + 8 * hf;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<u32*>(sQ + r * LD + dt * 8 + 2 * t) =
+                    pack2<Elem>(acc[mt][dt][2 * hf] * inv_l[2 * mt + hf],
+                                acc[mt][dt][2 * hf + 1] * inv_l[2 * mt + hf]);
+            if (t == 0 && row0 + r < p.seqlen_q)
+                static_cast<float*>(p.lse)[(static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + row0 + r] =
+                    lse[2 * mt + hf];
+        }
+    __syncthreads();
+    store_tile<Br, HeadDim, Threads>(sQ, row_ptr<u16>(p.o, b, h, row0), p.o.row_stride, rows_valid,
+                                     p.headdim, vec_ok);
+}

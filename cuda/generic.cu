@@ -1,0 +1,325 @@
+// Plain float32/float64 attention: the forward, and the backward's dQ and dK/dV passes.
+// No tensor cores and no TF32: every product and sum runs at T's own precision, which makes
+// this the path for gradient checks and for users who need full precision.
+//
+// Work split: one warp per query row (forward, dQ) or per key row (dK/dV); the 8 warps of a
+// block share chunks of 32 rows of the other side, staged in dynamic shared memory as two
+// tiles of 32 x (HeadDim + 1) elements (the launcher's _generic_smem). A row kept in
+// registers is spread over the warp: lane `lane` owns columns lane + 32*i, i < HeadDim/32.
+// In a chunk, lane j owns the chunk's row j for dot products.
+//
+// Math per pass (s = q.k * scale; lse in natural log; D = rowsum(dout * out)):
+//   forward: online softmax over key chunks, o = sum_j P_j v_j / l, lse = m + log(l)
+//   dQ:      P = exp(s - lse), dS = P * (dout.v - D), dq = scale * sum_j dS_j k_j
+//   dK/dV:   dv = sum_i P_i dout_i, dk = scale * sum_i dS_i q_i, summed over the group's heads
+// Both backward kernels write every element once: deterministic, no atomics.
+#include "params.cuh"
+#include "mask.cuh"
+
+namespace generic_impl {
+
+constexpr int kWarps = 8;            // GENERIC_WARPS in cupyflash/_config.py
+constexpr int kThreads = 32 * kWarps;
+constexpr int kChunk = 32;           // GENERIC_CHUNK: one chunk row per lane
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// The precision-dependent pieces. float works in base 2 with log2(e) folded into the scale
+// (one exp2f per score, as the numeric contract of DESIGN.md says); double works in base e
+// with the double scale, so that nothing is rounded to float on the way.
+template <typename T>
+struct Prec;
+
+template <>
+struct Prec<float> {
+    static constexpr float kLog2e = 1.4426950408889634f;
+    static constexpr float kLn2 = 0.6931471805599453f;
+    static __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
+    static __device__ __forceinline__ float score_scale(double, float scale_log2) {
+        return scale_log2;
+    }
+    static __device__ __forceinline__ float exp_base(float x) { return exp2f(x); }
+    // A natural-log lse in the kernel's base.
+    static __device__ __forceinline__ float from_ln(float x) { return x * kLog2e; }
+    // The natural-log lse of a row from its base-2 max and its sum.
+    static __device__ __forceinline__ float lse_ln(float m, float l) { return m * kLn2 + logf(l); }
+};
+
+template <>
+struct Prec<double> {
+    static __device__ __forceinline__ double inf() {
+        return __longlong_as_double(0x7ff0000000000000LL);
+    }
+    static __device__ __forceinline__ double score_scale(double scale, float) { return scale; }
+    static __device__ __forceinline__ double exp_base(double x) { return exp(x); }
+    static __device__ __forceinline__ double from_ln(double x) { return x; }
+    static __device__ __forceinline__ double lse_ln(double m, double l) { return m + log(l); }
+};
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const T y = __shfl_xor_sync(kFullMask, x, offset);
+        x = y > x ? y : x;
+    }
+    return x;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+    return x;
+}
+
+// The lse of a row, in the kernel's base, ready to be subtracted from scores. A row that saw
+// no key in the forward has lse = -inf; +inf in its place makes exp(s - lse) exactly 0
+// instead of exp(+inf) and then 0 * inf = NaN.
+template <typename T>
+__device__ __forceinline__ T lse_for_exp(T lse_ln) {
+    return lse_ln == -Prec<T>::inf() ? Prec<T>::inf() : Prec<T>::from_ln(lse_ln);
+}
+
+// Row `row` of a tensor (or zeros past `nrows`) into registers, lane-owned columns; columns
+// past `headdim` are zeros, so sums over the whole bucket need no further masks.
+template <typename T, int N>
+__device__ __forceinline__ void load_row(T (&dst)[N], const TensorRef& t, int b, int h, int row,
+                                         int nrows, int headdim, int lane) {
+    const bool valid = row < nrows;
+    const T* src = valid ? row_ptr<const T>(t, b, h, row) : nullptr;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int col = lane + 32 * i;
+        dst[i] = (valid && col < headdim) ? src[col] : T(0);
+    }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_row(const TensorRef& t, int b, int h, int row,
+                                          const T (&src)[N], T factor, int headdim, int lane) {
+    T* dst = row_ptr<T>(t, b, h, row);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int col = lane + 32 * i;
+        if (col < headdim) dst[col] = src[i] * factor;
+    }
+}
+
+// Rows [row0, row0 + 32) of a tensor into a shared tile with rows padded by one element.
+// Warp w stages rows w, w + 8, ...: each global read is a run of consecutive columns. Rows
+// at or past `nrows` and columns at or past `headdim` are stored as zeros.
+template <typename T, int HeadDim>
+__device__ __forceinline__ void load_chunk(T* tile, const TensorRef& t, int b, int h, int row0,
+                                           int nrows, int headdim, int warp, int lane) {
+    constexpr int kLd = HeadDim + 1;
+#pragma unroll
+    for (int r = warp; r < kChunk; r += kWarps) {
+        const int row = row0 + r;
+        const bool valid = row < nrows;
+        const T* src = valid ? row_ptr<const T>(t, b, h, row) : nullptr;
+#pragma unroll
+        for (int i = 0; i < HeadDim / 32; ++i) {
+            const int col = lane + 32 * i;
+            tile[r * kLd + col] = (valid && col < headdim) ? src[col] : T(0);
+        }
+    }
+}
+
+// Lane j gets x . tile[j], x a warp-spread row. x goes out one column at a time by shuffle so
+// that each lane walks its own tile row: row j starts j banks further than row 0 (padding),
+// so the 32 lanes read 32 different banks. One partial sum per 32 columns for some ILP.
+template <typename T, int HeadDim>
+__device__ __forceinline__ T dot_with_rows(const T (&x)[HeadDim / 32], const T* tile, int lane) {
+    constexpr int N = HeadDim / 32;
+    const T* mine = tile + lane * (HeadDim + 1);
+    T part[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        part[i] = T(0);
+#pragma unroll
+        for (int c = 0; c < 32; ++c)
+            part[i] += __shfl_sync(kFullMask, x[i], c) * mine[32 * i + c];
+    }
+    T sum = part[0];
+#pragma unroll
+    for (int i = 1; i < N; ++i) sum += part[i];
+    return sum;
+}
+
+// acc += sum_j w_j * tile[j], w_j held by lane j; acc a warp-spread row. All lanes read one
+// tile row at a time, consecutive columns: no bank conflicts.
+template <typename T, int HeadDim>
+__device__ __forceinline__ void add_weighted_rows(T (&acc)[HeadDim / 32], T w, const T* tile,
+                                                  int lane) {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+        const T wj = __shfl_sync(kFullMask, w, j);
+#pragma unroll
+        for (int i = 0; i < HeadDim / 32; ++i) acc[i] += wj * tile[j * (HeadDim + 1) + lane + 32 * i];
+    }
+}
+
+__device__ __forceinline__ index_t stat_index(int b, int h, int nheads, int seqlen_q, int row) {
+    return (static_cast<index_t>(b) * nheads + h) * seqlen_q + row;
+}
+
+}  // namespace generic_impl
+
+template <typename T, int HeadDim, bool Causal>
+__global__ void __launch_bounds__(generic_impl::kThreads) generic_fwd_kernel(const FwdParams p) {
+    using namespace generic_impl;
+    static_assert(HeadDim % 32 == 0 && HeadDim >= 32 && HeadDim <= 256, "head-dim bucket");
+    constexpr int N = HeadDim / 32;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* k_tile = reinterpret_cast<T*>(smem);
+    T* v_tile = k_tile + kChunk * (HeadDim + 1);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+    const int row = blockIdx.x * kWarps + warp;
+    const bool active = row < p.seqlen_q;
+    const int kend = active ? key_end<Causal>(row, p.seqlen_q, p.seqlen_k) : 0;
+    // key_end grows with the row: the block's last row bounds the chunks the block stages.
+    const int last_row = min(static_cast<int>(blockIdx.x + 1) * kWarps, p.seqlen_q) - 1;
+    const int kend_block = key_end<Causal>(last_row, p.seqlen_q, p.seqlen_k);
+    const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+
+    T q[N], o[N];
+    load_row(q, p.q, b, h, row, p.seqlen_q, p.headdim, lane);
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = T(0);
+    T m = -Prec<T>::inf();   // running max of the scores, in the kernel's base
+    T l = T(0);              // running sum of exp(s - m)
+
+    for (int k0 = 0; k0 < kend_block; k0 += kChunk) {
+        __syncthreads();   // no warp still reads the previous chunk
+        load_chunk<T, HeadDim>(k_tile, p.k, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
+        load_chunk<T, HeadDim>(v_tile, p.v, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
+        __syncthreads();
+        if (k0 < kend) {   // warp-uniform; key k0 is visible, so the chunk's max is finite
+            const bool visible = k0 + lane < kend;
+            const T s = dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale;
+            const T chunk_max = warp_max(visible ? s : -Prec<T>::inf());
+            const T m_new = chunk_max > m ? chunk_max : m;
+            const T pj = visible ? Prec<T>::exp_base(s - m_new) : T(0);
+            const T alpha = Prec<T>::exp_base(m - m_new);   // 0 on the first chunk: m = -inf
+            l = l * alpha + warp_sum(pj);
+#pragma unroll
+            for (int i = 0; i < N; ++i) o[i] *= alpha;
+            add_weighted_rows<T, HeadDim>(o, pj, v_tile, lane);
+            m = m_new;
+        }
+    }
+
+    if (active) {
+        // A row that saw no key (causal, seqlen_q > seqlen_k) has l = 0: output 0, lse -inf.
+        const bool seen = l > T(0);
+        store_row(p.o, b, h, row, o, seen ? T(1) / l : T(0), p.headdim, lane);
+        if (lane == 0)
+            static_cast<T*>(p.lse)[stat_index(b, h, p.nheads, p.seqlen_q, row)] =
+                seen ? Prec<T>::lse_ln(m, l) : -Prec<T>::inf();
+    }
+}
+
+template <typename T, int HeadDim, bool Causal>
+__global__ void __launch_bounds__(generic_impl::kThreads) generic_bwd_dq_kernel(const BwdParams p) {
+    using namespace generic_impl;
+    static_assert(HeadDim % 32 == 0 && HeadDim >= 32 && HeadDim <= 256, "head-dim bucket");
+    constexpr int N = HeadDim / 32;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* k_tile = reinterpret_cast<T*>(smem);
+    T* v_tile = k_tile + kChunk * (HeadDim + 1);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+    const int row = blockIdx.x * kWarps + warp;
+    const bool active = row < p.seqlen_q;
+    const int kend = active ? key_end<Causal>(row, p.seqlen_q, p.seqlen_k) : 0;
+    const int last_row = min(static_cast<int>(blockIdx.x + 1) * kWarps, p.seqlen_q) - 1;
+    const int kend_block = key_end<Causal>(last_row, p.seqlen_q, p.seqlen_k);
+    const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+
+    T q[N], dout[N], dq[N];
+    load_row(q, p.q, b, h, row, p.seqlen_q, p.headdim, lane);
+    load_row(dout, p.dout, b, h, row, p.seqlen_q, p.headdim, lane);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dq[i] = T(0);
+    T lse = Prec<T>::inf(), dsum = T(0);
+    if (active) {
+        const index_t s = stat_index(b, h, p.nheads, p.seqlen_q, row);
+        lse = lse_for_exp(static_cast<const T*>(p.lse)[s]);
+        dsum = static_cast<const T*>(p.dsum)[s];
+    }
+
+    for (int k0 = 0; k0 < kend_block; k0 += kChunk) {
+        __syncthreads();   // no warp still reads the previous chunk
+        load_chunk<T, HeadDim>(k_tile, p.k, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
+        load_chunk<T, HeadDim>(v_tile, p.v, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
+        __syncthreads();
+        if (k0 < kend) {   // warp-uniform
+            const bool visible = k0 + lane < kend;
+            const T s = dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale;
+            const T dp = dot_with_rows<T, HeadDim>(dout, v_tile, lane);
+            const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
+            add_weighted_rows<T, HeadDim>(dq, pj * (dp - dsum), k_tile, lane);
+        }
+    }
+
+    // Rows without keys never entered the loop: dq = 0.
+    if (active) store_row(p.dq, b, h, row, dq, static_cast<T>(p.scale), p.headdim, lane);
+}
+
+template <typename T, int HeadDim, bool Causal>
+__global__ void __launch_bounds__(generic_impl::kThreads) generic_bwd_dkdv_kernel(const BwdParams p) {
+    using namespace generic_impl;
+    static_assert(HeadDim % 32 == 0 && HeadDim >= 32 && HeadDim <= 256, "head-dim bucket");
+    constexpr int N = HeadDim / 32;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* q_tile = reinterpret_cast<T*>(smem);
+    T* dout_tile = q_tile + kChunk * (HeadDim + 1);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const int key = blockIdx.x * kWarps + warp;
+    const bool active = key < p.seqlen_k;
+    const int qbegin = active ? query_begin<Causal>(key, p.seqlen_q, p.seqlen_k) : p.seqlen_q;
+    // query_begin grows with the key: the block's first key bounds the chunks it stages.
+    const int qbegin_block = query_begin<Causal>(blockIdx.x * kWarps, p.seqlen_q, p.seqlen_k);
+    const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+
+    T k[N], v[N], dk[N], dv[N];
+    load_row(k, p.k, b, hk, key, p.seqlen_k, p.headdim, lane);
+    load_row(v, p.v, b, hk, key, p.seqlen_k, p.headdim, lane);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dk[i] = dv[i] = T(0);
+
+    for (int g = 0; g < p.group; ++g) {
+        const int h = hk * p.group + g;
+        const index_t stat0 = stat_index(b, h, p.nheads, p.seqlen_q, 0);
+        for (int q0 = qbegin_block; q0 < p.seqlen_q; q0 += kChunk) {
+            __syncthreads();   // no warp still reads the previous chunk
+            load_chunk<T, HeadDim>(q_tile, p.q, b, h, q0, p.seqlen_q, p.headdim, warp, lane);
+            load_chunk<T, HeadDim>(dout_tile, p.dout, b, h, q0, p.seqlen_q, p.headdim, warp, lane);
+            __syncthreads();
+            if (q0 + kChunk > qbegin) {   // warp-uniform; false for keys past seqlen_k
+                const int qi = q0 + lane;
+                const bool visible = qi >= qbegin && qi < p.seqlen_q;
+                T lse = Prec<T>::inf(), dsum = T(0);
+                if (visible) {
+                    lse = lse_for_exp(static_cast<const T*>(p.lse)[stat0 + qi]);
+                    dsum = static_cast<const T*>(p.dsum)[stat0 + qi];
+                }
+                const T s = dot_with_rows<T, HeadDim>(k, q_tile, lane) * scale;
+                const T dp = dot_with_rows<T, HeadDim>(v, dout_tile, lane);
+                const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
+                add_weighted_rows<T, HeadDim>(dv, pj, dout_tile, lane);
+                add_weighted_rows<T, HeadDim>(dk, pj * (dp - dsum), q_tile, lane);
+            }
+        }
+    }
+
+    if (active) {
+        store_row(p.dk, b, hk, key, dk, static_cast<T>(p.scale), p.headdim, lane);
+        store_row(p.dv, b, hk, key, dv, T(1), p.headdim, lane);
+    }
+}

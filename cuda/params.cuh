@@ -1,0 +1,46 @@
+// Kernel parameters. Each struct is mirrored field for field by a NumPy dtype in
+// cupyflash/_launch.py (FWD_PARAMS / BWD_PARAMS); tests/test_params.py checks that
+// size and offsets agree with what NVRTC computes for these structs.
+#pragma once
+
+typedef long long index_t;  // 64-bit: batch x seqlen x nheads x headdim passes 2**31
+
+// A (batch, seqlen, nheads, headdim) tensor whose last dimension is contiguous.
+// Strides are in elements.
+struct TensorRef {
+    void* ptr;
+    index_t batch_stride;
+    index_t row_stride;
+    index_t head_stride;
+};
+
+struct FwdParams {
+    TensorRef q, k, v, o;
+    void* lse;           // (batch, nheads, seqlen_q), contiguous, natural log; float32,
+                         // or float64 for float64 inputs (see acc_t in common.cuh)
+    int batch, nheads, nheads_k, group;   // group = nheads / nheads_k (GQA)
+    int seqlen_q, seqlen_k, headdim;
+    int vec_ok;          // every row start is 16-byte aligned: 16-byte vector loads allowed
+    double scale;        // softmax scale applied to q.k (double for the float64 path)
+    float scale_log2;    // scale * log2(e): the fp16/bf16/fp32 kernels work in base 2
+};
+
+struct BwdParams {
+    TensorRef q, k, v, o, dout, dq, dk, dv;
+    const void* lse;     // (batch, nheads, seqlen_q), natural log, from the forward
+    void* dsum;          // D = rowsum(dout * out), (batch, nheads, seqlen_q); lse's dtype
+    float* dq_accum;     // fp32 dQ, (batch, seqlen_q, nheads, headdim) contiguous; null when
+                         // dQ is computed by its own query-block-parallel pass
+    int batch, nheads, nheads_k, group;
+    int seqlen_q, seqlen_k, headdim;
+    int vec_ok;
+    double scale;
+    float scale_log2;
+};
+
+// Row i of a (batch, seqlen, nheads, headdim) tensor, for one batch and head.
+template <typename T>
+__device__ __forceinline__ T* row_ptr(const TensorRef& t, int b, int h, index_t row) {
+    return reinterpret_cast<T*>(t.ptr) + b * t.batch_stride + h * t.head_stride
+           + row * t.row_stride;
+}

@@ -1,0 +1,73 @@
+// Online softmax (FlashAttention 2 order): running row max m and running sum l, the output
+// accumulator rescaled only when the max moves, normalized once at the end.
+//
+// Convention, written once here: scores s = q.k (unscaled) are kept raw; the kernels work
+// in base 2 with log2(e) folded into the scale, p = exp2(s * scale_log2 - m * scale_log2),
+// and the stored log-sum-exp is in natural log: lse = m * scale + log(l) (-inf for a row
+// that sees no key).
+#pragma once
+#include "common.cuh"
+
+// Rows = the number of accumulator rows a thread holds (two per m16 tile of mma.sync).
+template <int Rows>
+struct OnlineSoftmax {
+    float m[Rows];   // running max of the raw scores of the row
+    float l[Rows];   // this thread's part of the running sum (quad-reduced in finalize)
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) { m[r] = neg_inf(); l[r] = 0.f; }
+    }
+
+    // s: scores of one key block as mma accumulators [MT][NT][4] (elements 0,1 belong to
+    // row 2*mt, elements 2,3 to row 2*mt+1), replaced by the probabilities p; acc: the output
+    // accumulators [MT][DT][4], rescaled to the new max.
+    template <int MT, int NT, int DT>
+    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
+                                           float scale_log2) {
+        static_assert(2 * MT == Rows, "two accumulator rows per m16 tile");
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int r = 2 * mt + hf;
+                float mx = m[r];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+                mx = quad_max(mx);
+                // A row that has seen no key yet keeps the base at 0, so exp2 gives 0, not NaN.
+                const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
+                const float alpha = fast_exp2(m[r] * scale_log2 - base);
+                m[r] = mx;
+                l[r] *= alpha;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    acc[mt][dt][2 * hf] *= alpha;
+                    acc[mt][dt][2 * hf + 1] *= alpha;
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                    for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
+                        const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -base));
+                        s[mt][nt][e] = p;
+                        l[r] += p;
+                    }
+                }
+            }
+        }
+    }
+
+    // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the
+    // natural-log lse into lse_out.
+    __device__ __forceinline__ void finalize(float scale_log2, float (&inv_l)[Rows],
+                                             float (&lse_out)[Rows]) {
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) {
+            const float sum = quad_sum(l[r]);
+            inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
+            lse_out[r] = sum > 0.f ? (m[r] * scale_log2 + log2f(sum)) / LOG2E : neg_inf();
+        }
+    }
+};

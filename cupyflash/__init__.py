@@ -1,0 +1,5 @@
+"""cupyflash: exact FlashAttention (forward and backward) for CuPy, NumPy and DLPack arrays."""
+from .api import flash_attention, flash_attention_backward
+
+__version__ = "0.1.0"
+__all__ = ["flash_attention", "flash_attention_backward"]

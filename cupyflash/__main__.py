@@ -1,0 +1,238 @@
+"""Command line: ``python -m cupyflash [demo | warmup]``.
+
+``demo`` (the default) runs the forward and backward on random inputs, on the GPU when there
+is one (else on the NumPy path with small shapes), and prints time, TFLOP/s, the error against
+a float64 reference and the peak device memory. ``warmup`` compiles every kernel the tile
+table can pick on the current GPU, so that later calls start without compiling.
+"""
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from .api import flash_attention, flash_attention_backward
+
+GPU_SHAPE = (2, 4096, 16, 128)
+CPU_SHAPE = (1, 256, 2, 64)
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _cupy_with_gpu():
+    """(cupy, None) when a CUDA GPU is usable, else (None, why not)."""
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no CuPy, no driver, too old a driver, ...
+        return None, f"{type(e).__name__}: {e}"
+    return (cupy, None) if count > 0 else (None, "CUDA reports 0 devices")
+
+
+def _np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+# --- float64 reference for one (batch, head) slice -------------------------------------
+
+def reference_one_head(q, k, v, dout, scale, causal):
+    """Plain float64 attention and its gradients for q (sq, d), k and v (sk, d), dout (sq, d).
+
+    Written independently of the tiled code: the full score matrix, one softmax.
+    Returns out, dq, dk, dv.
+    """
+    q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    sq, sk = q.shape[0], k.shape[0]
+    s = q @ k.T * scale
+    if causal:      # bottom-right aligned: query i sees keys j <= i + sk - sq
+        s[np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)] = -np.inf
+    m = s.max(axis=1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l = p.sum(axis=1, keepdims=True)
+    p /= np.where(l > 0, l, 1.0)                # rows without keys stay 0
+    out = p @ v
+    ds = p * (dout @ v.T - (dout * out).sum(axis=1, keepdims=True))
+    return out, ds @ k * scale, ds.T @ q * scale, p.T @ dout
+
+
+# --- timing and memory ------------------------------------------------------------------
+
+def _time_gpu(cp, fn, repeats):
+    fn()                                        # the first call compiles
+    fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / repeats
+
+
+def _time_cpu(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def _peak_bytes(cp, fn):
+    """Peak of the bytes held from CuPy's memory pool during one call of ``fn``."""
+    class PeakMemory(cp.cuda.MemoryHook):
+        name = "cupyflash_peak_memory"
+
+        def __init__(self):
+            super().__init__()
+            self.sizes, self.current, self.peak = {}, 0, 0
+
+        def malloc_postprocess(self, **kw):
+            self.sizes[kw["mem_ptr"]] = kw["mem_size"]
+            self.current += kw["mem_size"]
+            self.peak = max(self.peak, self.current)
+
+        def free_postprocess(self, **kw):
+            self.current -= self.sizes.pop(kw["mem_ptr"], 0)
+
+    hook = PeakMemory()
+    with hook:
+        fn()
+        cp.cuda.get_current_stream().synchronize()
+    return hook.peak
+
+
+# --- demo -------------------------------------------------------------------------------
+
+def _tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+def _demo_row(xp, device, dtype, shape, causal, repeats):
+    b, s, h, d = shape
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((b, s, h, d), np.float32).astype(dtype) for _ in range(4)]
+    q, k, v, dout = host if xp is None else [xp.asarray(a) for a in host]
+    fwd = lambda: flash_attention(q, k, v, causal=causal, return_lse=True)  # noqa: E731
+    out, lse = fwd()
+    bwd = lambda: flash_attention_backward(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
+    if xp is None:
+        fwd_ms, bwd_ms = _time_cpu(fwd, repeats), _time_cpu(bwd, repeats)
+        fwd_mem = bwd_mem = None
+    else:
+        fwd_ms, bwd_ms = _time_gpu(xp, fwd, repeats), _time_gpu(xp, bwd, repeats)
+        fwd_mem, bwd_mem = _peak_bytes(xp, fwd), _peak_bytes(xp, bwd)
+    grads = bwd()
+    to_host = (lambda a: a) if xp is None else xp.asnumpy    # whole arrays: plain copies
+    got = [to_host(a)[0, :, 0] for a in (out, *grads)]
+    ref = reference_one_head(*(a[0, :, 0] for a in host), d ** -0.5, causal)
+    errs = [float(np.max(np.abs(g.astype(np.float64) - r))) for g, r in zip(got, ref)]
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    return [device, np.dtype(dtype).name, f"({b}, {s}, {h}, {d})", str(causal),
+            f"{fwd_ms:.3f}", f"{_tflops(flops, fwd_ms):.3g}",
+            f"{bwd_ms:.3f}", f"{_tflops(2.5 * flops, bwd_ms):.3g}",
+            f"{errs[0]:.2e}", f"{max(errs[1:]):.2e}",
+            "-" if fwd_mem is None else f"{fwd_mem / 2**20:.0f} / {bwd_mem / 2**20:.0f}"]
+
+
+def _print_table(header, rows):
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def demo(args):
+    cp, why = (None, "--cpu given") if args.cpu else _cupy_with_gpu()
+    if cp is not None:
+        dev = cp.cuda.Device()
+        name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+        cc = int(dev.compute_capability)
+        device = f"cupy {name} (sm_{cc})"
+        dtypes = args.dtype or (["bfloat16", "float16"] if cc >= 80 else ["float32"])
+        shape = args.shape or GPU_SHAPE
+        repeats = args.repeats or 10
+    else:
+        print(f"no CUDA GPU ({why}): running the NumPy path on the CPU, small shapes\n")
+        device = "numpy (CPU)"
+        dtypes = args.dtype or ["float64"]
+        shape = args.shape or CPU_SHAPE
+        repeats = args.repeats or 3
+    rows = [_demo_row(cp, device, _np_dtype(dt), shape, causal, repeats)
+            for dt in dtypes for causal in (False, True)]
+    header = ["implementation", "dtype", "shape (b, s, h, d)", "causal", "fwd ms", "fwd TFLOP/s",
+              "bwd ms", "bwd TFLOP/s", "err out", "err dq/dk/dv", "peak MiB fwd / bwd"]
+    _print_table(header, rows)
+    print("\nFLOPs: forward 4*b*h*s*s*d (halved for causal), backward 2.5x forward.")
+    print("Times: " + ("CUDA events, mean of" if cp is not None else "median of")
+          + f" {repeats} calls after warm-up.")
+    print("Errors: max |x - ref| over batch 0, head 0, against a float64 reference.")
+    if cp is not None:
+        print("Peak MiB: device memory taken from CuPy's pool during one call "
+              "(outputs and scratch).")
+    return 0
+
+
+# --- warmup -----------------------------------------------------------------------------
+
+def warmup(args):
+    cp, why = _cupy_with_gpu()
+    if cp is None:
+        print(f"warmup needs a CUDA GPU; none is usable ({why})", file=sys.stderr)
+        return 1
+    from . import _compile, _launch
+    wanted = {_launch.ELEM[d] for d in (args.dtype or DTYPES)}
+    names = [(f, n) for f, ns in _launch.kernel_names(_launch._smem_limit()).items()
+             for n in ns if n.split("<")[1].split(",")[0].rstrip(">").strip() in wanted]
+    failed = []
+    t0 = time.perf_counter()
+    for filename, name in names:
+        try:
+            _compile.get_kernel(filename, name)
+        except Exception as e:  # report every kernel that fails, not only the first
+            failed.append(f"  {filename} {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    seconds = time.perf_counter() - t0
+    dev = cp.cuda.Device()
+    print(f"compiled {len(names) - len(failed)} of {len(names)} kernels for device {dev.id} "
+          f"(sm_{dev.compute_capability}) in {seconds:.1f} s")
+    if failed:
+        print("failed:\n" + "\n".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _shape(text):
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected four positive integers b,s,h,d, got {text!r}")
+    return shape
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="{demo,warmup}")
+    p = sub.add_parser("demo", help="time forward and backward, check against float64 (default)")
+    p.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
+    p.add_argument("--shape", type=_shape, help="b,s,h,d (default GPU %s, CPU %s)"
+                   % (",".join(map(str, GPU_SHAPE)), ",".join(map(str, CPU_SHAPE))))
+    p.add_argument("--dtype", action="append", choices=DTYPES,
+                   help="repeat for several (default bf16 and fp16 on sm_80+, else float32; "
+                        "float64 on the CPU)")
+    p.add_argument("--repeats", type=int, help="timed calls (default 10 on GPU, 3 on CPU)")
+    p.set_defaults(func=demo)
+    p = sub.add_parser("warmup", help="compile every kernel for the current GPU")
+    p.add_argument("--dtype", action="append", choices=DTYPES,
+                   help="only kernels of this dtype (repeat for several; default all)")
+    p.set_defaults(func=warmup)
+    args = parser.parse_args(argv or ["demo"])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

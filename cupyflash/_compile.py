@@ -1,0 +1,108 @@
+"""Run-time compilation of the CUDA sources in ``cuda/`` through NVRTC.
+
+Sources are assembled in Python: every ``#include "x.cuh"`` of our own is replaced by
+the header's text (once per header), so the source string handed to CuPy contains every
+line that is compiled. CuPy's on-disk cache hashes that string, which makes its key change
+whenever any ``.cu``/``.cuh`` changes. Modules are compiled lazily and memoized per
+(device, source, name expressions).
+"""
+import functools
+import re
+from pathlib import Path
+
+CUDA_DIR = next(p for p in (Path(__file__).parent / "cuda", Path(__file__).parent.parent / "cuda")
+                if p.is_dir())
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+# -std=c++17 for `if constexpr`; fast exp2 comes from ex2.approx written in the source.
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def _expand(name, seen):
+    text = (CUDA_DIR / name).read_text()
+
+    def sub(match):
+        header = match.group(1)
+        if header in seen:
+            return ""
+        seen.add(header)
+        return _expand(header, seen)
+
+    return _INCLUDE.sub(sub, text)
+
+
+@functools.lru_cache(maxsize=None)
+def source(name):
+    """The full text of ``cuda/<name>`` with our headers inlined."""
+    return _expand(name, set())
+
+
+def template_name(kernel, *args):
+    """The one place where a template instantiation's name is spelled, used both to
+    instantiate it (NVRTC name expression) and to look it up after compiling."""
+    def spell(a):
+        if isinstance(a, bool):
+            return "true" if a else "false"
+        return str(a)
+    return f"{kernel}<{', '.join(spell(a) for a in args)}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_id, filename, names):
+    import cupy
+    with cupy.cuda.Device(device_id):
+        return cupy.RawModule(code=source(filename), options=NVRTC_OPTIONS,
+                              name_expressions=list(names))
+
+
+def get_kernel(filename, name):
+    """The compiled kernel ``name`` (a template name) of ``cuda/<filename>`` on the current
+    device. Each instantiation is its own small module so that a call compiles only what
+    it launches."""
+    import cupy
+    device_id = cupy.cuda.Device().id
+    module = _module(device_id, filename, (name,))
+    return module.get_function(name)
+
+
+def nvrtc_compile(filename, names, arch):
+    """Compile instantiations for ``arch`` (e.g. "sm_80") with NVRTC alone, no GPU needed.
+
+    Returns ``{name: (registers, spill_store_bytes, spill_load_bytes, stack_bytes)}``
+    parsed from ptxas's verbose log. Raises RuntimeError with the log if compiling fails.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(source(filename), filename, [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        options = list(NVRTC_OPTIONS) + [f"-arch={arch}", "--ptxas-options=-v"]
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"{filename} failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
+        log = nvrtc.getProgramLog(prog)
+        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return _parse_ptxas(log, lowered)
+
+
+def _parse_ptxas(log, lowered):
+    stats, current = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\S+)", line) or \
+            re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            current = lowered.get(m.group(1), current)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            s = stats.setdefault(current, [0, 0, 0, 0])
+            s[3], s[1], s[2] = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            stats.setdefault(current, [0, 0, 0, 0])[0] = int(m.group(1))
+    return {n: tuple(s) for n, s in stats.items()}

@@ -1,0 +1,108 @@
+"""The one tile-configuration table.
+
+Keyed by (head-dim bucket, dtype kind, pass) for the generic sm_80+ mma.sync kernels; the
+shared-memory budget of the device picks a smaller tile where the big one does not fit
+(sm_86/sm_89 have 99 KB per block, sm_80 163 KB, sm_90 227 KB). The kernels
+``static_assert`` what they assume of these numbers (warps own 16-row slices, tiles are
+multiples of 16, ...).
+"""
+from dataclasses import dataclass
+
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEADDIM = HEAD_DIM_BUCKETS[-1]
+
+# Plain (fp32/fp64) kernels: one warp per query (or key) row, keys in chunks of 32.
+GENERIC_WARPS = 8
+GENERIC_CHUNK = 32
+
+# The padding of a shared-memory row of a 16-bit tile, in elements: 16 bytes, which moves
+# consecutive rows by four banks so that ldmatrix and 16-byte stores hit all 32 banks.
+SMEM_PAD = 8
+
+
+def head_dim_bucket(d):
+    for b in HEAD_DIM_BUCKETS:
+        if d <= b:
+            return b
+    raise ValueError(f"head dim {d} is above {MAX_HEADDIM}")
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    br: int      # query rows per thread block
+    bc: int      # keys per iteration
+    warps: int
+
+    def smem_bytes(self, hd):
+        return (self.br + 2 * self.bc) * (hd + SMEM_PAD) * 2
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    bc: int      # keys per thread block (dK/dV stay in registers)
+    br: int      # query rows per iteration
+    warps: int
+
+    def smem_bytes(self, hd):
+        tiles = (2 * self.bc + 2 * self.br) * (hd + SMEM_PAD) * 2      # K, V, Q, dO
+        p_ds = 2 * self.bc * (self.br + SMEM_PAD) * 2                  # P^T, dS^T
+        return tiles + p_ds + 2 * self.br * 4                          # lse, D rows
+
+
+@dataclass(frozen=True)
+class DqTile:
+    br: int
+    bc: int
+    warps: int
+
+    def smem_bytes(self, hd):
+        return (2 * self.br + 2 * self.bc) * (hd + SMEM_PAD) * 2
+
+
+# Largest first; the first tile whose shared memory fits the device is taken.
+_FWD = {
+    32: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
+    64: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
+    96: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
+    128: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
+    160: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
+    192: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
+    224: [FwdTile(128, 64, 8), FwdTile(64, 32, 4)],
+    256: [FwdTile(128, 64, 8), FwdTile(64, 32, 4)],
+}
+_BWD = {
+    32: [BwdTile(128, 64, 8), BwdTile(64, 64, 4)],
+    64: [BwdTile(128, 64, 8), BwdTile(64, 64, 4)],
+    96: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
+    128: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
+    160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
+    192: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
+    224: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
+    256: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
+}
+_DQ = {
+    32: [DqTile(64, 64, 4)],
+    64: [DqTile(64, 64, 4)],
+    96: [DqTile(64, 64, 4)],
+    128: [DqTile(64, 64, 4), DqTile(64, 32, 4)],
+    160: [DqTile(64, 32, 4)],
+    192: [DqTile(64, 32, 4)],
+    224: [DqTile(64, 32, 4)],
+    256: [DqTile(64, 32, 4), DqTile(32, 32, 2)],
+}
+_TABLES = {"fwd": _FWD, "bwd": _BWD, "dq": _DQ}
+
+# Shared memory per block on the architectures we compile for (bytes, opt-in maximum).
+SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+def tile(pass_, hd, smem_limit):
+    """The tile for ``pass_`` ("fwd", "bwd" or "dq") at head-dim bucket ``hd``."""
+    for t in _TABLES[pass_][hd]:
+        if t.smem_bytes(hd) <= smem_limit:
+            return t
+    raise RuntimeError(f"no {pass_} tile for head dim {hd} fits {smem_limit} bytes of shared memory")
+
+
+def all_tiles(pass_, hd):
+    return list(_TABLES[pass_][hd])

@@ -1,0 +1,168 @@
+"""Parameter packing and kernel launches (CuPy arrays only; validation is done before).
+
+``FWD_PARAMS`` and ``BWD_PARAMS`` mirror ``FwdParams`` / ``BwdParams`` of cuda/params.cuh
+field for field (aligned NumPy dtypes: the C layout rules). Every launch goes to CuPy's
+current stream; nothing here synchronizes.
+"""
+import math
+
+import numpy as np
+
+from . import _config
+from ._compile import get_kernel, template_name
+
+LOG2E = math.log2(math.e)
+
+_TENSOR = [("ptr", np.uint64), ("batch_stride", np.int64), ("row_stride", np.int64),
+           ("head_stride", np.int64)]
+TENSOR_REF = np.dtype(_TENSOR, align=True)
+_DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("group", np.int32),
+         ("seqlen_q", np.int32), ("seqlen_k", np.int32), ("headdim", np.int32),
+         ("vec_ok", np.int32), ("scale", np.float64), ("scale_log2", np.float32)]
+FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
+                      + [("lse", np.uint64)] + _DIMS, align=True)
+BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
+                      + [("lse", np.uint64), ("dsum", np.uint64), ("dq_accum", np.uint64)]
+                      + _DIMS, align=True)
+
+# C++ spelling of the element type of each dtype in the kernels' template names.
+ELEM = {"float16": "fp16", "bfloat16": "bf16", "float32": "float", "float64": "double"}
+TENSOR_CORE = ("float16", "bfloat16")
+
+
+def _tensor_ref(rec, a):
+    item = a.itemsize
+    rec["ptr"] = a.data.ptr
+    rec["batch_stride"] = a.strides[0] // item
+    rec["row_stride"] = a.strides[1] // item
+    rec["head_stride"] = a.strides[2] // item
+
+
+def _vec_ok(*arrays):
+    """16-byte vector loads need every row of every tensor to start 16-byte aligned."""
+    for a in arrays:
+        if a.data.ptr % 16 or any((s % 16) for s in a.strides[:3]) or \
+                (a.shape[3] * a.itemsize) % 16:
+            return False
+    return True
+
+
+def _fill_dims(p, q, k, scale):
+    b, sq, h, d = q.shape
+    p["batch"], p["nheads"], p["nheads_k"] = b, h, k.shape[2]
+    p["group"] = h // k.shape[2]
+    p["seqlen_q"], p["seqlen_k"], p["headdim"] = sq, k.shape[1], d
+    p["scale"] = scale
+    p["scale_log2"] = scale * LOG2E
+
+
+def _smem_limit():
+    import cupy
+    dev = cupy.cuda.Device()
+    return dev.attributes["MaxSharedMemoryPerBlockOptin"]
+
+
+def _launch(filename, name, grid, threads, smem, params):
+    kernel = get_kernel(filename, name)
+    if smem > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel(grid, (threads,), (params,), shared_mem=smem)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _generic_smem(d_bucket, itemsize):
+    # K and V chunks of GENERIC_CHUNK rows, rows padded by one element against bank conflicts.
+    return 2 * _config.GENERIC_CHUNK * (d_bucket + 1) * itemsize
+
+
+def forward(q, k, v, out, lse, scale, causal):
+    """Launch the forward pass. ``out`` and ``lse`` are preallocated outputs."""
+    p = np.zeros((), FWD_PARAMS)
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
+        _tensor_ref(p[name], a)
+    p["lse"] = lse.data.ptr
+    _fill_dims(p, q, k, scale)
+    p["vec_ok"] = _vec_ok(q, k, v, out)
+    b, sq, h, d = q.shape
+    hd = _config.head_dim_bucket(d)
+    elem = ELEM[q.dtype.name]
+    if q.dtype.name in TENSOR_CORE:
+        t = _config.tile("fwd", hd, _smem_limit())
+        name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal)
+        _launch("fwd.cu", name, (_cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), p[()])
+    else:
+        name = template_name("generic_fwd_kernel", elem, hd, causal)
+        _launch("generic.cu", name, (_cdiv(sq, _config.GENERIC_WARPS), h, b),
+                32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()])
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal, deterministic):
+    """Launch the backward passes. ``dq``, ``dk``, ``dv`` and ``dsum`` are preallocated;
+    ``dq_accum`` is a zeroed fp32 buffer shaped like q, or None (deterministic / plain path)."""
+    p = np.zeros((), BWD_PARAMS)
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
+                    ("dq", dq), ("dk", dk), ("dv", dv)):
+        _tensor_ref(p[name], a)
+    p["lse"], p["dsum"] = lse.data.ptr, dsum.data.ptr
+    p["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
+    _fill_dims(p, q, k, scale)
+    p["vec_ok"] = _vec_ok(q, k, v, out, dout, dq, dk, dv)
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    hd = _config.head_dim_bucket(d)
+    elem = ELEM[q.dtype.name]
+    pr = p[()]
+    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem),
+            (_cdiv(sq, _config.GENERIC_WARPS), h, b), 32 * _config.GENERIC_WARPS, 0, pr)
+    if q.dtype.name in TENSOR_CORE:
+        limit = _smem_limit()
+        t = _config.tile("bwd", hd, limit)
+        name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, causal,
+                             dq_accum is not None)
+        _launch("bwd.cu", name, (_cdiv(sk, t.bc), hk, b), 32 * t.warps, t.smem_bytes(hd), pr)
+        if dq_accum is None:
+            t = _config.tile("dq", hd, limit)
+            name = template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal)
+            _launch("bwd.cu", name, (_cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), pr)
+        else:
+            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem),
+                    (_cdiv(sq, _config.GENERIC_WARPS), h, b), 32 * _config.GENERIC_WARPS, 0, pr)
+    else:
+        smem = _generic_smem(hd, q.itemsize)
+        threads = 32 * _config.GENERIC_WARPS
+        _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, causal),
+                (_cdiv(sq, _config.GENERIC_WARPS), h, b), threads, smem, pr)
+        _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, causal),
+                (_cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, pr)
+
+
+def kernel_names(smem_limit):
+    """{source file: [template names]} of every kernel the config table can pick on a device
+    with ``smem_limit`` bytes of shared memory per block (for warm-up and compile checks)."""
+    names = {"fwd.cu": [], "bwd.cu": [], "generic.cu": []}
+    for elem in ELEM.values():
+        names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
+    for elem in (ELEM[d] for d in TENSOR_CORE):
+        names["bwd.cu"].append(template_name("bwd_convert_dq_kernel", elem))
+    for hd in _config.HEAD_DIM_BUCKETS:
+        fwd = _config.tile("fwd", hd, smem_limit)
+        bwd = _config.tile("bwd", hd, smem_limit)
+        dq = _config.tile("dq", hd, smem_limit)
+        for causal in (False, True):
+            for elem in (ELEM[d] for d in TENSOR_CORE):
+                names["fwd.cu"].append(template_name(
+                    "flash_fwd_kernel", elem, hd, fwd.br, fwd.bc, fwd.warps, causal))
+                for atomic_dq in (False, True):
+                    names["bwd.cu"].append(template_name(
+                        "flash_bwd_dkdv_kernel", elem, hd, bwd.bc, bwd.br, bwd.warps, causal,
+                        atomic_dq))
+                names["bwd.cu"].append(template_name(
+                    "flash_bwd_dq_kernel", elem, hd, dq.br, dq.bc, dq.warps, causal))
+            for elem in ("float", "double"):
+                for kernel in ("generic_fwd_kernel", "generic_bwd_dq_kernel",
+                               "generic_bwd_dkdv_kernel"):
+                    names["generic.cu"].append(template_name(kernel, elem, hd, causal))
+    return names

@@ -1,0 +1,163 @@
+"""The CPU path: the same tiled FlashAttention-2 algorithm as the CUDA kernels, in float64.
+
+This is the reference the GPU results are checked against and the fallback where no GPU is
+present; it is exact, not fast. It follows the kernels step by step so that a reader can use
+it to understand them:
+
+- forward: query blocks of ``BR`` rows, key blocks of ``BC`` keys, online softmax in base 2
+  (``log2(e)`` folded into the scale), the output rescaled lazily and normalized once at the
+  end; ``lse = (m + log2(l)) / log2(e)`` stored in natural log.
+- backward: ``D = rowsum(dout * out)`` first, then for each key block a loop over the query
+  blocks that see it, recomputing ``P`` from q, k and lse. Only tile-sized pieces of the
+  seqlen_q x seqlen_k matrices ever exist.
+
+Which key blocks a query block visits is decided in one place, ``key_blocks``; a block-sparse
+mask replaces it with its own lists of kept blocks (partial blocks apart from full ones).
+
+Arrays inside are laid out (batch, nheads_k, group, seqlen, headdim), ``group = nheads //
+nheads_k``, so that grouped query heads broadcast against their kv head and dk/dv are summed
+over the group by the contractions themselves.
+"""
+import math
+
+import numpy as np
+
+BR = 64                 # query rows per tile
+BC = 64                 # keys per tile
+LOG2E = math.log2(math.e)
+
+
+def key_blocks(q_block, seqlen_q, seqlen_k, causal, br=BR, bc=BC):
+    """The key blocks that query block ``q_block`` visits, as ``[(key_block, partial), ...]``.
+
+    A key block entirely masked for every row of the query block is left out. ``partial``
+    is True where some element of the tile is masked (it needs the element mask); sequence
+    bounds are not masking here, since the NumPy tiles are sliced to the sequence.
+    """
+    n_kblocks = -(-seqlen_k // bc)
+    if not causal:
+        return [(j, False) for j in range(n_kblocks)]
+    shift = seqlen_k - seqlen_q             # bottom-right alignment: row i sees j <= i + shift
+    row0 = q_block * br
+    row1 = min(row0 + br, seqlen_q) - 1     # last row of the block
+    visited = []
+    for j in range(n_kblocks):
+        col0, col1 = j * bc, min((j + 1) * bc, seqlen_k) - 1
+        if col0 > row1 + shift:             # no row of the block sees any key of this block
+            break
+        visited.append((j, col1 > row0 + shift))
+    return visited
+
+
+def query_blocks(seqlen_q, seqlen_k, causal, br=BR, bc=BC):
+    """The transposed lists, built from ``key_blocks``: for each key block, the query blocks
+    that visit it, ``[[(q_block, partial), ...] per key block]`` (what the backward loops over)."""
+    lists = [[] for _ in range(-(-seqlen_k // bc))]
+    for i in range(-(-seqlen_q // br)):
+        for j, partial in key_blocks(i, seqlen_q, seqlen_k, causal, br, bc):
+            lists[j].append((i, partial))
+    return lists
+
+
+def _tile_mask(rows, cols, seqlen_q, seqlen_k):
+    """The causal element mask of one tile, (len(rows), len(cols)), True where visible."""
+    return cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+
+
+def _grouped(x, nheads_k):
+    """(batch, seqlen, nheads, d) -> float64 (batch, nheads_k, group, seqlen, d)."""
+    b, s, h, d = x.shape
+    x = np.asarray(x, dtype=np.float64)
+    return x.reshape(b, s, nheads_k, h // nheads_k, d).transpose(0, 2, 3, 1, 4)
+
+
+def _ungrouped(x, dtype):
+    """(batch, nheads_k, group, seqlen, d) -> contiguous (batch, seqlen, nheads, d) of ``dtype``."""
+    b, hk, g, s, d = x.shape
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2, 4).reshape(b, s, hk * g, d).astype(dtype))
+
+
+def _kv(x):
+    """(batch, seqlen_k, nheads_k, d) -> float64 (batch, nheads_k, 1, seqlen_k, d)."""
+    return np.asarray(x, dtype=np.float64).transpose(0, 2, 1, 3)[:, :, None]
+
+
+def _lse_dtype(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def forward(q, k, v, scale, causal):
+    """Returns ``(out, lse)``: out like q in q's dtype, lse (batch, nheads, seqlen_q) in
+    natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
+    scale_log2 = scale * LOG2E
+    out = np.zeros(q64.shape, np.float64)
+    lse = np.full(q64.shape[:-1], -np.inf)
+    for i in range(-(-sq // BR)):
+        r0, r1 = i * BR, min((i + 1) * BR, sq)
+        q_t = q64[..., r0:r1, :]
+        m = np.full(q_t.shape[:-1], -np.inf)          # running max, base-2 units
+        l = np.zeros(q_t.shape[:-1])                  # running sum of exp2(s - m)
+        acc = np.zeros(q_t.shape)                     # unnormalized output
+        for j, partial in key_blocks(i, sq, sk, causal):
+            c0, c1 = j * BC, min((j + 1) * BC, sk)
+            k_t, v_t = k64[..., c0:c1, :], v64[..., c0:c1, :]
+            s = (q_t @ k_t.swapaxes(-1, -2)) * scale_log2
+            if partial:
+                s = np.where(_tile_mask(np.arange(r0, r1), np.arange(c0, c1), sq, sk), s, -np.inf)
+            m_new = np.maximum(m, s.max(axis=-1))
+            # A row with no visible key yet keeps m = -inf; subtract 0 instead so that
+            # exp2(-inf - -inf) never happens (its p and alpha are then exactly 0).
+            m_safe = np.where(np.isneginf(m_new), 0.0, m_new)
+            p = np.exp2(s - m_safe[..., None])
+            alpha = np.exp2(m - m_safe)               # rescales what was summed so far
+            l = alpha * l + p.sum(axis=-1)
+            acc = alpha[..., None] * acc + p @ v_t
+            m = m_new
+        seen = l > 0
+        l_safe = np.where(seen, l, 1.0)
+        out[..., r0:r1, :] = np.where(seen[..., None], acc / l_safe[..., None], 0.0)
+        lse[..., r0:r1] = np.where(seen, (m + np.log2(l_safe)) / LOG2E, -np.inf)
+    return _ungrouped(out, q.dtype), lse.reshape(b, h, sq).astype(_lse_dtype(q.dtype))
+
+
+def backward(dout, q, k, v, out, lse, scale, causal):
+    """Returns ``(dq, dk, dv)`` shaped and typed like q, k and v (dk, dv summed over the
+    query heads of each group)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
+    do64, o64 = _grouped(dout, hk), _grouped(out, hk)
+    scale_log2 = scale * LOG2E
+    dsum = (do64 * o64).sum(axis=-1)                  # D = rowsum(dO * O), (b, hk, g, sq)
+    lse64 = np.asarray(lse, dtype=np.float64).reshape(b, hk, g, sq)
+    # Rows that saw no key (lse = -inf) get P = exp2(s - inf) = 0 instead of inf or NaN.
+    lse_log2 = np.where(np.isneginf(lse64), np.inf, lse64 * LOG2E)
+    dq = np.zeros(q64.shape)
+    dk = np.zeros(k64.shape[:2] + k64.shape[3:])      # (b, hk, sk, d)
+    dv = np.zeros(dk.shape)
+    for j, visitors in enumerate(query_blocks(sq, sk, causal)):
+        c0, c1 = j * BC, min((j + 1) * BC, sk)
+        k_t, v_t = k64[..., c0:c1, :], v64[..., c0:c1, :]
+        dk_t = np.zeros((b, hk, c1 - c0, d))
+        dv_t = np.zeros_like(dk_t)
+        for i, partial in visitors:
+            r0, r1 = i * BR, min((i + 1) * BR, sq)
+            q_t, do_t = q64[..., r0:r1, :], do64[..., r0:r1, :]
+            s = (q_t @ k_t.swapaxes(-1, -2)) * scale_log2
+            if partial:
+                s = np.where(_tile_mask(np.arange(r0, r1), np.arange(c0, c1), sq, sk), s, -np.inf)
+            p = np.exp2(s - lse_log2[..., r0:r1, None])
+            dv_t += (p.swapaxes(-1, -2) @ do_t).sum(axis=2)     # summed over the group
+            dp = do_t @ v_t.swapaxes(-1, -2)
+            ds = p * (dp - dsum[..., r0:r1, None])
+            dk_t += (ds.swapaxes(-1, -2) @ q_t).sum(axis=2) * scale
+            dq[..., r0:r1, :] += (ds @ k_t) * scale
+        dk[..., c0:c1, :] = dk_t
+        dv[..., c0:c1, :] = dv_t
+    dk = np.ascontiguousarray(dk.transpose(0, 2, 1, 3).astype(k.dtype))
+    dv = np.ascontiguousarray(dv.transpose(0, 2, 1, 3).astype(v.dtype))
+    return _ungrouped(dq, q.dtype), dk, dv

@@ -1,0 +1,140 @@
+"""Argument checks, run before any allocation or launch.
+
+The arrays arrive as all NumPy or all CuPy (``_arrays.as_backend`` ran first). Every error
+names the argument, says what was expected and what was given, with NumPy's exception types:
+TypeError for dtypes and for a softmax_scale that is not a number, ValueError for shapes,
+strides, devices and values.
+"""
+import math
+import numbers
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+# Dims, seqlens and strides go to the kernels as int32 fields of the params struct.
+INT32_LIMIT = 2**31
+# gridDim.y and gridDim.z (heads and batch on the GPU) are at most 65535.
+GRID_YZ_LIMIT = 65535
+
+# (dimension name, axis) of a (batch, seqlen, heads, headdim) tensor, per argument.
+_AXES_Q = (("batch", 0), ("seqlen_q", 1), ("nheads", 2), ("headdim", 3))
+_AXES_KV = (("batch", 0), ("seqlen_k", 1), ("nheads_k", 2), ("headdim", 3))
+
+
+def check_forward(q, k, v, softmax_scale):
+    named = {"q": q, "k": k, "v": v}
+    _check_dtypes(named)
+    _check_ndim(named)
+    _check_sizes(q, k, v)
+    _check_last_dim_contiguous(named)
+    _check_devices(named)
+    _check_scale(softmax_scale)
+
+
+def check_backward(dout, q, k, v, out, lse, softmax_scale):
+    named = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
+    _check_dtypes(named)
+    _check_ndim(named)
+    _check_sizes(q, k, v)
+    for name in ("out", "dout"):
+        _check_shape(name, named[name], "q's shape", q.shape)
+    _check_lse(lse, q)
+    _check_last_dim_contiguous(named)
+    _check_devices({**named, "lse": lse})
+    _check_scale(softmax_scale)
+
+
+def _check_dtypes(named):
+    for name, a in named.items():
+        if a.dtype.name not in DTYPES:
+            raise TypeError(f"{name}: unsupported dtype {a.dtype.name}; expected one of "
+                            f"{', '.join(DTYPES)}")
+    first, a0 = next(iter(named.items()))
+    for name, a in named.items():
+        if a.dtype != a0.dtype:
+            raise TypeError(f"{name} has dtype {a.dtype.name} but {first} has "
+                            f"{a0.dtype.name}; {', '.join(named)} must share one dtype")
+
+
+def _check_ndim(named):
+    for name, a in named.items():
+        if a.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), "
+                             f"got {a.ndim}-D shape {tuple(a.shape)}")
+
+
+def _check_shape(name, a, expected_what, expected):
+    if tuple(a.shape) != tuple(expected):
+        raise ValueError(f"{name} shape {tuple(a.shape)} must equal {expected_what} "
+                         f"{tuple(expected)}")
+
+
+def _check_sizes(q, k, v):
+    _check_shape("v", v, "k's shape", k.shape)
+    for name, a, axes in (("q", q, _AXES_Q), ("k", k, _AXES_KV)):
+        for dim, axis in axes:
+            n = a.shape[axis]
+            if n < 1:
+                raise ValueError(f"{name}: {dim} (axis {axis}) must be >= 1, got {n} "
+                                 f"(shape {tuple(a.shape)})")
+            if n >= INT32_LIMIT:
+                raise ValueError(f"{name}: {dim} (axis {axis}) must be < 2**31, got {n}")
+    for dim, axis in (("batch", 0), ("headdim", 3)):
+        if k.shape[axis] != q.shape[axis]:
+            raise ValueError(f"k: {dim} {k.shape[axis]} (axis {axis}) does not match "
+                             f"q's {dim} {q.shape[axis]}")
+    from ._config import MAX_HEADDIM
+    if q.shape[3] > MAX_HEADDIM:
+        raise ValueError(f"q: headdim must be <= {MAX_HEADDIM}, got {q.shape[3]}")
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads % nheads_k:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_k of k and v "
+                         f"({nheads_k})")
+    if _is_cupy(q):
+        for name, a, dim, axis in (("q", q, "nheads", 2), ("k", k, "nheads_k", 2),
+                                   ("q", q, "batch", 0)):
+            if a.shape[axis] > GRID_YZ_LIMIT:
+                raise ValueError(f"{name}: {dim} must be <= {GRID_YZ_LIMIT} on the GPU "
+                                 f"(CUDA grid limit), got {a.shape[axis]}")
+
+
+def _check_lse(lse, q):
+    expected = (q.shape[0], q.shape[2], q.shape[1])
+    if lse.ndim != 3 or tuple(lse.shape) != expected:
+        raise ValueError(f"lse shape {tuple(lse.shape)} must be (batch, nheads, seqlen_q) "
+                         f"= {expected}")
+    allowed = ("float32", "float64") if q.dtype.name == "float64" else ("float32",)
+    if lse.dtype.name not in allowed:
+        raise TypeError(f"lse: dtype must be {' or '.join(allowed)} for {q.dtype.name} "
+                        f"inputs, got {lse.dtype.name}")
+
+
+def _check_last_dim_contiguous(named):
+    for name, a in named.items():
+        item = a.itemsize
+        if a.shape[-1] > 1 and a.strides[-1] != item:
+            raise ValueError(f"{name}: the last dimension must be contiguous (stride "
+                             f"{item} bytes), got strides {a.strides}; use a copy")
+        if any(s % item for s in a.strides):
+            raise ValueError(f"{name}: strides must be multiples of the item size {item}, "
+                             f"got {a.strides}")
+
+
+def _check_devices(named):
+    ids = {name: a.device.id for name, a in named.items() if _is_cupy(a)}
+    if len(set(ids.values())) > 1:
+        got = ", ".join(f"{name}: {i}" for name, i in ids.items())
+        raise ValueError(f"all arrays must be on one device, got {got}")
+
+
+def _check_scale(scale):
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got "
+                        f"{type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {scale!r}")
+
+
+def _is_cupy(a):
+    return type(a).__module__.split(".")[0] == "cupy"

@@ -1,0 +1,120 @@
+"""Public functions: exact FlashAttention forward and backward."""
+import math
+
+import numpy as np
+
+from . import _arrays, _validate
+
+
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+    """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
+
+    Parameters
+    ----------
+    q : array, (batch, seqlen_q, nheads, headdim)
+    k, v : arrays, (batch, seqlen_k, nheads_k, headdim)
+        ``nheads % nheads_k == 0``: query head ``h`` uses kv head ``h // (nheads // nheads_k)``
+        (grouped-query / multi-query attention). float16, bfloat16 (tensor cores, fp32
+        accumulation), float32 or float64 (at their own precision). Any strides with the
+        last dimension contiguous are read in place. headdim <= 256.
+        NumPy arrays run the same tiled algorithm on the CPU in float64 (the reference);
+        CuPy arrays and objects with ``__dlpack__`` run on their GPU.
+    causal : bool
+        Mask keys after the query. With ``seqlen_q != seqlen_k`` the mask is aligned to the
+        bottom-right corner: query ``i`` sees keys ``j <= i + seqlen_k - seqlen_q``::
+
+            seqlen_q=2, seqlen_k=5:     seqlen_q=5, seqlen_k=2:
+              1 1 1 1 0                   0 0
+              1 1 1 1 1                   0 0
+                                          0 0
+                                          1 0
+                                          1 1
+
+        A row that sees no key gets output 0 and lse ``-inf``.
+    softmax_scale : float, optional
+        Defaults to ``headdim ** -0.5``.
+    return_lse : bool
+        Also return ``lse = log(sum_j exp(s_ij))`` (natural log), (batch, nheads, seqlen_q),
+        float32 (float64 for float64 inputs), which the backward pass needs.
+
+    Returns
+    -------
+    out : array like q (same kind, device and dtype), or ``(out, lse)``.
+    """
+    (q, k, v), kind, xp = _arrays.as_backend((q, k, v), ("q", "k", "v"))
+    _validate.check_forward(q, k, v, softmax_scale)
+    scale = _scale(softmax_scale, q.shape[-1])
+    if xp is np:
+        from . import _numpy_backend
+        out, lse = _numpy_backend.forward(q, k, v, scale, bool(causal))
+    else:
+        out, lse = _forward_gpu(q, k, v, scale, bool(causal))
+    out = _arrays.to_caller(out, kind, q)
+    return (out, _arrays.to_caller(lse, kind, q)) if return_lse else out
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
+                             deterministic=False):
+    """Gradients of ``flash_attention`` with respect to q, k and v.
+
+    Parameters
+    ----------
+    dout : array like ``out``, the gradient of the loss with respect to ``out``.
+    q, k, v, out, lse : the forward's inputs, output and lse (``return_lse=True``).
+    causal, softmax_scale : as given to the forward.
+    deterministic : bool
+        Compute dq in its own query-block-parallel pass instead of adding it up with
+        atomics, so that repeated calls give bit-identical dq (a little slower).
+
+    Returns
+    -------
+    dq, dk, dv : arrays shaped like q, k and v. With grouped heads, dk and dv are summed
+        over the query heads of each group.
+    """
+    names = ("dout", "q", "k", "v", "out", "lse")
+    arrays, kind, xp = _arrays.as_backend((dout, q, k, v, out, lse), names)
+    dout, q, k, v, out, lse = arrays
+    _validate.check_backward(dout, q, k, v, out, lse, softmax_scale)
+    scale = _scale(softmax_scale, q.shape[-1])
+    if xp is np:
+        from . import _numpy_backend
+        grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, bool(causal))
+    else:
+        grads = _backward_gpu(dout, q, k, v, out, lse, scale, bool(causal), bool(deterministic))
+    return tuple(_arrays.to_caller(g, kind, q) for g in grads)
+
+
+def _scale(softmax_scale, headdim):
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
+def _acc_dtype(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def _forward_gpu(q, k, v, scale, causal):
+    import cupy as cp
+    from . import _launch
+    with cp.cuda.Device(q.device):
+        b, sq, h, _ = q.shape
+        out = cp.empty(q.shape, q.dtype)
+        lse = cp.empty((b, h, sq), _acc_dtype(q.dtype))
+        _launch.forward(q, k, v, out, lse, scale, causal)
+    return out, lse
+
+
+def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic):
+    import cupy as cp
+    from . import _launch
+    with cp.cuda.Device(q.device):
+        b, sq, h, _ = q.shape
+        dq = cp.empty(q.shape, q.dtype)
+        dk = cp.empty(k.shape, k.dtype)
+        dv = cp.empty(v.shape, v.dtype)
+        lse = cp.ascontiguousarray(lse)
+        dsum = cp.empty((b, h, sq), _acc_dtype(q.dtype))
+        use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
+        dq_accum = cp.zeros(q.shape, cp.float32) if use_atomics else None
+        _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
+                         deterministic)
+    return dq, dk, dv

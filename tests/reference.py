@@ -1,0 +1,235 @@
+"""Reference attention and the tolerance rule, shared by the CPU and GPU tests.
+
+Every function works on NumPy or CuPy arrays alike (``xp`` is taken from the inputs).
+
+- ``attention_ref`` / ``attention_ref_backward``: plain full-matrix attention in float64, the
+  "true" answer.
+- ``attention_naive`` / ``attention_naive_backward``: what a naive implementation in a given
+  dtype gives (each stage computed in float32 from operands rounded to that dtype, its result
+  rounded to it), i.e. how far a same-dtype standard attention lands from the truth.
+- ``assert_rule``: FlashAttention's rule, our error <= factor * the naive error + tiny slack.
+"""
+import numpy as np
+
+try:
+    import cupy
+except ImportError:             # CPU-only CI
+    cupy = None
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+
+def get_xp(*arrays):
+    return cupy.get_array_module(*arrays) if cupy is not None else np
+
+
+def np_dtype(dtype):
+    """A NumPy dtype from a name ("bfloat16" through ml_dtypes) or a dtype."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+def random_array(xp, shape, dtype, seed):
+    """Standard-normal data of ``shape`` in ``dtype`` (bfloat16 through ml_dtypes), drawn on the
+    host and moved to the device for CuPy. Never zeros."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np_dtype(dtype))
+    # Untested on a GPU: CuPy 14 should hold ml_dtypes.bfloat16 arrays as raw 16-bit data.
+    return x if xp is np else xp.asarray(x)
+
+
+def random_inputs(xp, shape_q, shape_kv, dtype, seed):
+    """Fresh (q, k, v): q of ``shape_q``, k and v of ``shape_kv``."""
+    return (random_array(xp, shape_q, dtype, seed),
+            random_array(xp, shape_kv, dtype, seed + 1),
+            random_array(xp, shape_kv, dtype, seed + 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rounding to a dtype, kept in float32 (CuPy has no bfloat16 arithmetic)
+
+def round_to(x, dtype):
+    """``x`` rounded to ``dtype`` ("float16", "bfloat16", "float32", "float64"), returned as
+    float32 (float64 for "float64") holding values representable in ``dtype``."""
+    xp = get_xp(x)
+    dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if dtype == "float64":
+        return x.astype(xp.float64)
+    x = x.astype(xp.float32)
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        return x.astype(xp.float16).astype(xp.float32)
+    if dtype == "bfloat16":
+        return _round_bf16(x)
+    raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
+
+
+def _round_bf16(x):
+    """Round-to-nearest-even of float32 to bfloat16 on the bits: add 0x7FFF plus the lowest
+    kept bit, then clear the 16 dropped bits. NaN is kept as is (the add could carry it)."""
+    xp = get_xp(x)
+    bits = xp.ascontiguousarray(x).view(xp.uint32)
+    lsb = (bits >> xp.uint32(16)) & xp.uint32(1)
+    rounded = ((bits + xp.uint32(0x7FFF) + lsb) & xp.uint32(0xFFFF0000)).view(xp.float32)
+    return xp.where(xp.isnan(x), x, rounded)
+
+
+def _einsum(spec, a, b):
+    """Two-operand einsum through BLAS (NumPy's default is a plain loop, slow at large sizes)."""
+    return get_xp(a, b).einsum(spec, a, b, optimize=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The float64 reference
+
+def _causal_visible(xp, seqlen_q, seqlen_k):
+    """(seqlen_q, seqlen_k) bool, bottom-right aligned: query i sees keys j <= i + sk - sq."""
+    rows = xp.arange(seqlen_q)[:, None]
+    cols = xp.arange(seqlen_k)[None, :]
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def _repeat_kv(x, nheads):
+    """(b, sk, hk, d) -> (b, sk, nheads, d): query head h uses kv head h // (nheads // hk)."""
+    xp = get_xp(x)
+    return xp.repeat(x, nheads // x.shape[2], axis=2)
+
+
+def _sum_groups(dx, nheads_k):
+    """(b, sk, nheads, d) -> (b, sk, nheads_k, d), summed over the query heads of each group."""
+    b, s, h, d = dx.shape
+    return dx.reshape(b, s, nheads_k, h // nheads_k, d).sum(axis=3)
+
+
+def _softmax(s, xp):
+    """Row softmax of (..., sq, sk) with -inf for masked entries; all-masked rows give P = 0.
+    Returns (P, lse) with lse -inf for those rows; no NaN and no warning."""
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))
+    e = xp.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    seen = l > 0
+    l_safe = xp.where(seen, l, xp.ones_like(l))
+    p = e / l_safe
+    lse = xp.where(seen, m + xp.log(l_safe), xp.full_like(l, -xp.inf))
+    return p, lse[..., 0]
+
+
+def _scores(q, k, scale, causal):
+    """(b, h, sq, sk) scores q k^T * scale, -inf where masked; k already repeated to h heads."""
+    xp = get_xp(q)
+    s = _einsum("bihd,bjhd->bhij", q, k) * scale
+    if causal:
+        s = xp.where(_causal_visible(xp, q.shape[1], k.shape[1]), s, -xp.inf)
+    return s
+
+
+def attention_ref(q, k, v, scale, causal):
+    """Full-matrix attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq)."""
+    xp = get_xp(q, k, v)
+    q, k, v = (x.astype(xp.float64) for x in (q, k, v))
+    h = q.shape[2]
+    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    p, lse = _softmax(_scores(q, k, scale, causal), xp)
+    out = _einsum("bhij,bjhd->bihd", p, v)
+    return out, lse
+
+
+def attention_ref_backward(dout, q, k, v, scale, causal):
+    """Gradients of ``attention_ref`` in float64, by the explicit formulas on the full matrix:
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K * scale,
+    dK = dS^T Q * scale; dk and dv summed over the query heads of each group."""
+    xp = get_xp(dout, q, k, v)
+    dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
+    h, hk = q.shape[2], k.shape[2]
+    k_h, v_h = _repeat_kv(k, h), _repeat_kv(v, h)
+    p, _ = _softmax(_scores(q, k_h, scale, causal), xp)
+    dv = _einsum("bhij,bihd->bjhd", p, dout)
+    dp = _einsum("bihd,bjhd->bhij", dout, v_h)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    dq = _einsum("bhij,bjhd->bihd", ds, k_h) * scale
+    dk = _einsum("bhij,bihd->bjhd", ds, q) * scale
+    return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
+
+
+# ---------------------------------------------------------------------------------------------
+# A naive implementation in a given dtype
+
+def _naive_probs(q, k, scale, causal, dtype):
+    """Rounded operands and P = round(softmax(round(q k^T * scale))), each stage in float32."""
+    xp = get_xp(q, k)
+    q, k = round_to(q, dtype), round_to(k, dtype)
+    k_h = _repeat_kv(k, q.shape[2])
+    s = round_to(_scores(q, k_h, scale, causal), dtype)
+    p, lse = _softmax(s, xp)
+    return q, k_h, round_to(p, dtype), round_to(lse, dtype)
+
+
+def attention_naive(q, k, v, scale, causal, dtype):
+    """Standard attention as a naive ``dtype`` implementation computes it (S, P and O each
+    rounded to ``dtype``). Returns (out, lse) as float32 (float64 for "float64")."""
+    _, _, p, lse = _naive_probs(q, k, scale, causal, dtype)
+    xp = get_xp(q)
+    v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
+    out = round_to(_einsum("bhij,bjhd->bihd", p, v_h), dtype)
+    return out, lse
+
+
+def attention_naive_backward(dout, q, k, v, scale, causal, dtype):
+    """Gradients as a naive ``dtype`` implementation computes them: P recomputed as in
+    ``attention_naive``, then dV, dP, dS, dQ and dK each computed in float32 from rounded
+    operands and rounded to ``dtype``. Returns (dq, dk, dv)."""
+    xp = get_xp(dout, q, k, v)
+    hk = k.shape[2]
+    q, k_h, p, _ = _naive_probs(q, k, scale, causal, dtype)
+    v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
+    dout = round_to(dout, dtype)
+    dv = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", p, dout), hk), dtype)
+    dp = round_to(_einsum("bihd,bjhd->bhij", dout, v_h), dtype)
+    ds = round_to(p * (dp - (p * dp).sum(axis=-1, keepdims=True)), dtype)
+    dq = round_to(_einsum("bhij,bjhd->bihd", ds, k_h) * scale, dtype)
+    dk = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", ds, q) * scale, hk), dtype)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# The tolerance rule
+
+def max_abs_err(got, ref):
+    """max |got - ref| over the entries where ref is finite (0 when there are none)."""
+    xp = get_xp(got, ref)
+    got, ref = got.astype(xp.float64), ref.astype(xp.float64)
+    finite = xp.isfinite(ref)
+    if not bool(finite.any()):
+        return 0.0
+    # Infinite entries compare as 0 - 0, so that -inf - -inf makes no NaN or warning.
+    diff = xp.where(finite, got, 0.0) - xp.where(finite, ref, 0.0)
+    return float(xp.abs(diff).max())
+
+
+def assert_rule(name, got, ref, naive, factor):
+    """FlashAttention's rule: max|got - ref| <= factor * max|naive - ref| + slack, with a tiny
+    slack (1e-6 * max|ref| + 1e-7) for the case where the naive error is ~0. Also: got has no
+    NaN where ref has none, and got equals ref where ref is infinite (lse of empty rows)."""
+    xp = get_xp(got, ref)
+    got, ref, naive = (xp.asarray(x).astype(xp.float64) for x in (got, ref, naive))
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+    bad_nan = xp.isnan(got) & ~xp.isnan(ref)
+    assert not bool(bad_nan.any()), f"{name}: {int(bad_nan.sum())} NaN where the reference has none"
+    inf = xp.isinf(ref)
+    if bool(inf.any()):
+        assert bool((got[inf] == ref[inf]).all()), f"{name}: differs where the reference is infinite"
+    err = max_abs_err(got, ref)
+    naive_err = max_abs_err(naive, ref)
+    finite_ref = xp.where(xp.isfinite(ref), ref, 0.0)
+    slack = 1e-6 * float(xp.abs(finite_ref).max()) + 1e-7 if ref.size else 1e-7
+    bound = factor * naive_err + slack
+    assert err <= bound, (f"{name}: max error {err:.3e} vs reference exceeds {factor} x naive "
+                          f"error {naive_err:.3e} + slack {slack:.1e} (= {bound:.3e})")
