@@ -136,7 +136,7 @@ __device__ __forceinline__ T dot_with_rows(const T (&x)[HeadDim / 32], const T* 
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         part[i] = T(0);
-#pragma unroll
+#pragma unroll 8
         for (int c = 0; c < 32; ++c)
             part[i] += __shfl_sync(kFullMask, x[i], c) * mine[32 * i + c];
     }
@@ -151,13 +151,24 @@ __device__ __forceinline__ T dot_with_rows(const T (&x)[HeadDim / 32], const T* 
 template <typename T, int HeadDim>
 __device__ __forceinline__ void add_weighted_rows(T (&acc)[HeadDim / 32], T w, const T* tile,
                                                   int lane) {
-#pragma unroll
+#pragma unroll 8
     for (int j = 0; j < kChunk; ++j) {
         const T wj = __shfl_sync(kFullMask, w, j);
 #pragma unroll
-        for (int i = 0; i < HeadDim / 32; ++i) acc[i] += wj * tile[j * (HeadDim + 1) + lane + 32 * i];
+        for (int i = 0; i < HeadDim / 32; ++i)
+            acc[i] += wj * tile[j * (HeadDim + 1) + lane + 32 * i];
     }
 }
+
+// Blocks per SM that ptxas plans registers for. Without a minimum it spills a few bytes at 32-64
+// registers to chase occupancy; 2 (at most 128 registers) keeps 16 warps to hide latency where
+// two blocks' shared memory fits an H100 SM. float64 at head dim 256 cannot have two blocks
+// and takes the registers instead.
+constexpr int kSmemPerSmSm90 = 227 * 1024;
+template <typename T, int HeadDim>   // the two padded tiles: _generic_smem in _launch.py
+constexpr int kSmemBytes = 2 * kChunk * (HeadDim + 1) * int(sizeof(T));
+template <typename T, int HeadDim>
+constexpr int kMinBlocks = 2 * kSmemBytes<T, HeadDim> <= kSmemPerSmSm90 ? 2 : 1;
 
 __device__ __forceinline__ index_t stat_index(int b, int h, int nheads, int seqlen_q, int row) {
     return (static_cast<index_t>(b) * nheads + h) * seqlen_q + row;
@@ -166,7 +177,8 @@ __device__ __forceinline__ index_t stat_index(int b, int h, int nheads, int seql
 }  // namespace generic_impl
 
 template <typename T, int HeadDim, bool Causal>
-__global__ void __launch_bounds__(generic_impl::kThreads) generic_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(generic_impl::kThreads, generic_impl::kMinBlocks<T, HeadDim>)
+generic_fwd_kernel(const FwdParams p) {
     using namespace generic_impl;
     static_assert(HeadDim % 32 == 0 && HeadDim >= 32 && HeadDim <= 256, "head-dim bucket");
     constexpr int N = HeadDim / 32;
@@ -222,7 +234,8 @@ __global__ void __launch_bounds__(generic_impl::kThreads) generic_fwd_kernel(con
 }
 
 template <typename T, int HeadDim, bool Causal>
-__global__ void __launch_bounds__(generic_impl::kThreads) generic_bwd_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(generic_impl::kThreads, generic_impl::kMinBlocks<T, HeadDim>)
+generic_bwd_dq_kernel(const BwdParams p) {
     using namespace generic_impl;
     static_assert(HeadDim % 32 == 0 && HeadDim >= 32 && HeadDim <= 256, "head-dim bucket");
     constexpr int N = HeadDim / 32;
@@ -270,7 +283,8 @@ __global__ void __launch_bounds__(generic_impl::kThreads) generic_bwd_dq_kernel(
 }
 
 template <typename T, int HeadDim, bool Causal>
-__global__ void __launch_bounds__(generic_impl::kThreads) generic_bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(generic_impl::kThreads, generic_impl::kMinBlocks<T, HeadDim>)
+generic_bwd_dkdv_kernel(const BwdParams p) {
     using namespace generic_impl;
     static_assert(HeadDim % 32 == 0 && HeadDim >= 32 && HeadDim <= 256, "head-dim bucket");
     constexpr int N = HeadDim / 32;
@@ -301,7 +315,7 @@ __global__ void __launch_bounds__(generic_impl::kThreads) generic_bwd_dkdv_kerne
             load_chunk<T, HeadDim>(q_tile, p.q, b, h, q0, p.seqlen_q, p.headdim, warp, lane);
             load_chunk<T, HeadDim>(dout_tile, p.dout, b, h, q0, p.seqlen_q, p.headdim, warp, lane);
             __syncthreads();
-            if (q0 + kChunk > qbegin) {   // warp-uniform; false for keys past seqlen_k
+            if (active && q0 + kChunk > qbegin) {   // warp-uniform
                 const int qi = q0 + lane;
                 const bool visible = qi >= qbegin && qi < p.seqlen_q;
                 T lse = Prec<T>::inf(), dsum = T(0);
