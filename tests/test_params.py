@@ -26,6 +26,9 @@ def test_params_struct_layout_matches_numpy_dtype(cname, dtype):
         try:
             nvrtc.compileProgram(prog, list(_compile.NVRTC_OPTIONS) + ["-arch=compute_80"])
         except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
+            log = nvrtc.getProgramLog(prog)
+            if '"__builtin_offsetof" is undefined' in log:
+                pytest.skip("this NVRTC has no __builtin_offsetof (seen with 13.0; 13.5 has it)")
+            pytest.fail(log)
     finally:
         nvrtc.destroyProgram(prog)
