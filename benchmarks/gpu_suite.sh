@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The GPU job: kernel warm-up, tests, dense benchmark. Run from the repo root on a GPU machine:
+# The GPU job: kernel warm-up, tests, dense and block-sparse benchmarks. Run from the repo
+# root on a GPU machine:
 #
 #   bash benchmarks/gpu_suite.sh            # everything
 #   bash benchmarks/gpu_suite.sh quick      # tests without the seqlen-2048 cases, bench --quick
 #   SUITE_TESTS="tests/test_gpu_dense.py -k fwd" bash benchmarks/gpu_suite.sh
 #
-# Results go to $OUT (default ./gpu_out), six files: prewarm.log, gpu_tests.log,
-# gpu_tests.xml, bench.log, bench_dense.json, cupy_cache.tar.gz. The NVRTC cache lives in
-# ./.cupy_cache (git-ignored); carry it to the next machine to skip compiling.
+# Results go to $OUT (default ./gpu_out), eight files at most: prewarm.log, gpu_tests.log,
+# gpu_tests.xml, bench.log, bench_dense.json, bench_sparse.log, bench_sparse.json,
+# cupy_cache.tar.gz. The NVRTC cache lives in ./.cupy_cache (git-ignored); carry it to the
+# next machine to skip compiling.
 # Env: PYTHON (default python3), SUITE_TESTS (pytest arguments, shell-quoted),
-# PREWARM=0 to skip the parallel compile, PREWARM_JOBS (default: CPU count).
+# PREWARM=0 to skip the parallel compile, PREWARM_JOBS (default: CPU count),
+# SKIP_DENSE_BENCH=1 / SKIP_SPARSE_BENCH=1 to skip the dense / block-sparse benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -113,13 +116,23 @@ SECONDS=0
 TEST_RC=${PIPESTATUS[0]}
 echo "tests took ${SECONDS} s (exit $TEST_RC)"
 
-# 3. Benchmark.
+# 3. Benchmarks: dense, then block-sparse.
 BENCH_ARGS=(--out "$OUT")
 [ "$MODE" = quick ] && BENCH_ARGS+=(--quick)
-SECONDS=0
-"$PY" benchmarks/bench_dense.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log"
-BENCH_RC=${PIPESTATUS[0]}
-echo "benchmark took ${SECONDS} s (exit $BENCH_RC)"
+BENCH_RC=0
+if [ "${SKIP_DENSE_BENCH:-0}" != 1 ]; then
+    SECONDS=0
+    "$PY" benchmarks/bench_dense.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log"
+    BENCH_RC=${PIPESTATUS[0]}
+    echo "dense benchmark took ${SECONDS} s (exit $BENCH_RC)"
+fi
+SPARSE_RC=0
+if [ "${SKIP_SPARSE_BENCH:-0}" != 1 ]; then
+    SECONDS=0
+    "$PY" benchmarks/bench_sparse.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench_sparse.log"
+    SPARSE_RC=${PIPESTATUS[0]}
+    echo "sparse benchmark took ${SECONDS} s (exit $SPARSE_RC)"
+fi
 
 # 4. The compile cache, so the next machine need not compile again.
 tar -czf "$OUT/cupy_cache.tar.gz" -C "$PWD" .cupy_cache
@@ -134,5 +147,12 @@ echo
 echo "=== summary ==="
 grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" "$OUT/gpu_tests.log" \
     | tail -n 1 || echo "no pytest summary line (exit $TEST_RC)"
-sed -n '/^=== bench_dense table ===/,$p' "$OUT/bench.log" | tail -n +2
-[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
+if [ "${SKIP_DENSE_BENCH:-0}" != 1 ]; then
+    sed -n '/^=== bench_dense table ===/,$p' "$OUT/bench.log" | tail -n +2
+fi
+if [ "${SKIP_SPARSE_BENCH:-0}" != 1 ]; then
+    echo
+    sed -n '/^=== bench_sparse table ===/,$p' "$OUT/bench_sparse.log" | tail -n +2
+fi
+echo "exit: tests $TEST_RC, dense benchmark $BENCH_RC, sparse benchmark $SPARSE_RC"
+[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$SPARSE_RC" = 0 ]

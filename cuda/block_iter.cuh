@@ -1,51 +1,80 @@
-// Which blocks a tile visits: the key blocks of a query block (forward, dQ pass) and the
-// query blocks of a key block (dK/dV pass), and which of them need element masking.
-// Dense attention visits a contiguous range; block-sparse masks will plug in here as lists
-// of kept blocks, partial ones apart from full ones.
+// Which blocks a tile visits, and which of them need element masking: the key blocks of a
+// query block (forward, dQ pass) and the query blocks of a key block (dK/dV pass).
+// Dense attention visits a contiguous range and tells masked blocks by position; a block-sparse
+// mask gives a list per tile (BlockList), its partial blocks first.
 #pragma once
+#include "params.cuh"
 #include "mask.cuh"
 
-struct KeyBlocks {
-    int count;          // blocks to visit
-    int mask_free_end;  // keys below this are visible to every row of the query block
+// A (query block, key block) pair needs element masking when some key of the key block is
+// hidden from the first (most restricted) row of the query block, or lies past the end.
+template <bool Causal>
+__device__ __forceinline__ bool pair_needs_mask(int row0, int col0, int Bc, int seqlen_q, int seqlen_k) {
+    return col0 + Bc > key_end<Causal>(row0, seqlen_q, seqlen_k);
+}
 
-    __device__ __forceinline__ int block(int it) const { return it; }
+struct KeyBlocks {
+    const int* idx;     // the sparse list, or null
+    int count;          // blocks to visit
+    int n_partial;      // sparse: the first n_partial blocks need masking
+    int mask_free_end;  // dense: keys below this are visible to every row of the query block
+
+    __device__ __forceinline__ int block(int it) const { return idx ? idx[it] : it; }
     __device__ __forceinline__ bool needs_mask(int it, int Bc) const {
-        return (block(it) + 1) * Bc > mask_free_end;
+        return idx ? it < n_partial : (it + 1) * Bc > mask_free_end;
     }
 };
 
+// The key blocks of query tile `m_tile` (rows row0 .. row0+Br-1) of head h.
 template <bool Causal>
-__device__ __forceinline__ KeyBlocks key_blocks(int row0, int Br, int Bc, int seqlen_q, int seqlen_k) {
-    const int last_row = min(row0 + Br, seqlen_q) - 1;
-    const int end = key_end<Causal>(last_row, seqlen_q, seqlen_k);
+__device__ __forceinline__ KeyBlocks key_blocks(const BlockList& bl, int h, int m_tile, int Br, int Bc,
+                                                int seqlen_q, int seqlen_k) {
+    const int row0 = m_tile * Br;
     KeyBlocks kb;
-    kb.count = end > 0 ? (end + Bc - 1) / Bc : 0;
     kb.mask_free_end = key_end<Causal>(row0, seqlen_q, seqlen_k);
+    if (bl.idx) {
+        const index_t r = block_row(bl, h, m_tile);
+        kb.idx = bl.idx + r * bl.width;
+        kb.count = bl.count[r];
+        kb.n_partial = bl.partial[r];
+    } else {
+        const int end = key_end<Causal>(min(row0 + Br, seqlen_q) - 1, seqlen_q, seqlen_k);
+        kb.idx = nullptr;
+        kb.count = end > 0 ? (end + Bc - 1) / Bc : 0;
+        kb.n_partial = 0;
+    }
     return kb;
 }
 
 struct QueryBlocks {
-    int first, last;    // visit query blocks first .. last-1
-    int col0, cols;     // the key block: keys col0 .. col0+cols-1
+    const int* idx;     // the sparse list, or null
+    int count;
+    int n_partial;
+    int first;          // dense: the first query block that sees the key block
 
-    __device__ __forceinline__ int count() const { return last - first; }
-    __device__ __forceinline__ int block(int it) const { return first + it; }
+    __device__ __forceinline__ int block(int it) const { return idx ? idx[it] : first + it; }
+    template <bool Causal>
+    __device__ __forceinline__ bool needs_mask(int it, int Br, int Bc, int col0, int seqlen_q, int seqlen_k) const {
+        return idx ? it < n_partial : pair_needs_mask<Causal>(block(it) * Br, col0, Bc, seqlen_q, seqlen_k);
+    }
 };
 
+// The query blocks that visit key tile `n_tile` (keys col0 .. col0+Bc-1) for query head h.
 template <bool Causal>
-__device__ __forceinline__ QueryBlocks query_blocks(int col0, int Br, int Bc, int seqlen_q, int seqlen_k) {
+__device__ __forceinline__ QueryBlocks query_blocks(const BlockList& bl, int h, int n_tile, int Br, int Bc,
+                                                    int seqlen_q, int seqlen_k) {
     QueryBlocks qb;
-    qb.col0 = col0;
-    qb.cols = min(Bc, seqlen_k - col0);
-    qb.first = query_begin<Causal>(col0, seqlen_q, seqlen_k) / Br;
-    qb.last = (seqlen_q + Br - 1) / Br;
+    if (bl.idx) {
+        const index_t r = block_row(bl, h, n_tile);
+        qb.idx = bl.idx + r * bl.width;
+        qb.count = bl.count[r];
+        qb.n_partial = bl.partial[r];
+        qb.first = 0;
+    } else {
+        qb.idx = nullptr;
+        qb.first = query_begin<Causal>(n_tile * Bc, seqlen_q, seqlen_k) / Br;
+        qb.count = (seqlen_q + Br - 1) / Br - qb.first;
+        qb.n_partial = 0;
+    }
     return qb;
-}
-
-// A (query block, key block) pair needs element masking when some key of the key block is
-// hidden from the first (most restricted) row of the query block.
-template <bool Causal>
-__device__ __forceinline__ bool pair_needs_mask(int row0, int col0, int Bc, int seqlen_q, int seqlen_k) {
-    return col0 + Bc > key_end<Causal>(row0, seqlen_q, seqlen_k);
 }

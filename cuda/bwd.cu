@@ -113,20 +113,30 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     load_tile<Bc, HeadDim, Threads>(sV, row_ptr<const u16>(p.v, b, hk, col0), p.v.row_stride,
                                     p.seqlen_k - col0, p.headdim, vec_ok);
 
-    const QueryBlocks qb = query_blocks<Causal>(col0, Br, Bc, p.seqlen_q, p.seqlen_k);
-    const int steps = qb.count() * p.group;   // (query head of the group, query block) pairs
-
-    // Fetch Q, dO, lse and D of step j.
-    auto prefetch = [&](int j) {
-        const int h = hk * p.group + j / qb.count();
-        const int m0 = qb.block(j % qb.count()) * Br;
+    // The steps: (query head of the group, query block) pairs, heads without blocks skipped.
+    struct Step { int hq, it; QueryBlocks qb; };
+    auto blocks_of = [&](int hq) {
+        return query_blocks<Causal>(p.q_blocks, hk * p.group + hq, blockIdx.x, Br, Bc, p.seqlen_q, p.seqlen_k);
+    };
+    auto settle = [&](Step s) {   // move past heads whose list is exhausted
+        while (s.hq < p.group && s.it >= s.qb.count) {
+            ++s.hq;
+            s.it = 0;
+            if (s.hq < p.group) s.qb = blocks_of(s.hq);
+        }
+        return s;
+    };
+    auto prefetch = [&](const Step& s) {   // Q, dO, lse and D of step s
+        const int h = hk * p.group + s.hq;
+        const int m0 = s.qb.block(s.it) * Br;
         load_tile<Br, HeadDim, Threads>(sQ, row_ptr<const u16>(p.q, b, h, m0), p.q.row_stride,
                                         p.seqlen_q - m0, p.headdim, vec_ok);
         load_tile<Br, HeadDim, Threads>(sdO, row_ptr<const u16>(p.dout, b, h, m0), p.dout.row_stride,
                                         p.seqlen_q - m0, p.headdim, vec_ok);
         load_row_stats<Br>(p, sLse, sD, b, h, m0);
     };
-    if (steps > 0) prefetch(0);
+    Step cur = settle(Step{0, 0, blocks_of(0)});
+    if (cur.hq < p.group) prefetch(cur);
     cp_async_commit();
 
     float dk[DW / 8][4], dv[DW / 8][4];
@@ -135,11 +145,13 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) { dk[i][e] = 0.f; dv[i][e] = 0.f; }
 
-    for (int j = 0; j < steps; ++j) {
-        const int h = hk * p.group + j / qb.count();
-        const int m0 = qb.block(j % qb.count()) * Br;
+    while (cur.hq < p.group) {
+        const int h = hk * p.group + cur.hq;
+        const int m0 = cur.qb.block(cur.it) * Br;
+        const bool masked = cur.qb.template needs_mask<Causal>(cur.it, Br, Bc, col0, p.seqlen_q, p.seqlen_k);
+        const Step next = settle(Step{cur.hq, cur.it + 1, cur.qb});
         cp_async_wait<0>();
-        __syncthreads();   // Q, dO, lse, D of step j have landed; last step's dQ reads are done
+        __syncthreads();   // Q, dO, lse, D of this step have landed; last step's dQ reads are done
 
         // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x QW queries.
         float st[QW / 8][4], dpt[QW / 8][4];
@@ -166,7 +178,6 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             }
         }
 
-        const bool masked = pair_needs_mask<Causal>(m0, col0, Bc, p.seqlen_q, p.seqlen_k);
 #pragma unroll
         for (int nt = 0; nt < QW / 8; ++nt) {
 #pragma unroll
@@ -209,7 +220,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 
         if constexpr (AtomicDQ) {
             __syncthreads();   // every warp is done with Q and dO: fetch the next step's
-            if (j + 1 < steps) prefetch(j + 1);
+            if (next.hq < p.group) prefetch(next);
             cp_async_commit();
             // dQ (Br x HeadDim) += dS K, the warp's 16 rows x CW columns, CH at a time,
             // added into the fp32 buffer (scaled in bwd_convert_dq_kernel).
@@ -246,9 +257,10 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             }
         } else {
             __syncthreads();   // every warp is done with Q, dO, P^T and dS^T
-            if (j + 1 < steps) prefetch(j + 1);
+            if (next.hq < p.group) prefetch(next);
             cp_async_commit();
         }
+        cur = next;
     }
 
     // dK = scale * dS^T Q. Stage both tiles in sK / sV (no longer read), then store.
@@ -321,7 +333,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
 
-    const KeyBlocks kb = key_blocks<Causal>(row0, Br, Bc, p.seqlen_q, p.seqlen_k);
+    const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, blockIdx.x, Br, Bc, p.seqlen_q, p.seqlen_k);
     const u16* gK = row_ptr<const u16>(p.k, b, hk, 0);
     const u16* gV = row_ptr<const u16>(p.v, b, hk, 0);
     for (int it = 0; it < kb.count; ++it) {

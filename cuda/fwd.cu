@@ -37,7 +37,7 @@ flash_fwd_kernel(const FwdParams p) {
     const u16* gK = row_ptr<const u16>(p.k, b, hk, 0);
     const u16* gV = row_ptr<const u16>(p.v, b, hk, 0);
 
-    const KeyBlocks kb = key_blocks<Causal>(row0, Br, Bc, p.seqlen_q, p.seqlen_k);
+    const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, blockIdx.x, Br, Bc, p.seqlen_q, p.seqlen_k);
 
     load_tile<Br, HeadDim, Threads>(sQ, gQ, p.q.row_stride, rows_valid, p.headdim, vec_ok);
     if (kb.count > 0)
@@ -104,6 +104,17 @@ flash_fwd_kernel(const FwdParams p) {
                 }
         }
         softmax.update(s, acc, p.scale_log2);
+        // P to 16-bit A operands now, so that S's registers are free across the K load below.
+        u32 pa[MT][Bc / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < Bc / 16; ++kk) {
+                pa[mt][kk][0] = pack2<Elem>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][kk][1] = pack2<Elem>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][kk][2] = pack2<Elem>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = pack2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
 
         cp_async_wait<0>();
         __syncthreads();   // V_j has landed, and every warp is done reading K_j
@@ -114,25 +125,17 @@ flash_fwd_kernel(const FwdParams p) {
         }
         cp_async_commit();
 
-        // O += P V, with P converted in registers from accumulator to A-operand layout.
+        // O += P V
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk) {
-            u32 pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = pack2<Elem>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = pack2<Elem>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = pack2<Elem>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = pack2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
 #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp) {
                 u32 bv[4];   // b0, b1 of n8 tiles 2dp and 2dp+1
                 ldmatrix_x4_trans(bv, sVa + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * 16 + (lane >> 4) * 8) * 2);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<Elem>(acc[mt][2 * dp], pa[mt], bv[0], bv[1]);
-                    mma_16816<Elem>(acc[mt][2 * dp + 1], pa[mt], bv[2], bv[3]);
+                    mma_16816<Elem>(acc[mt][2 * dp], pa[mt][kk], bv[0], bv[1]);
+                    mma_16816<Elem>(acc[mt][2 * dp + 1], pa[mt][kk], bv[2], bv[3]);
                 }
             }
         }

@@ -13,6 +13,11 @@
 //   dQ:      P = exp(s - lse), dS = P * (dout.v - D), dq = scale * sum_j dS_j k_j
 //   dK/dV:   dv = sum_i P_i dout_i, dk = scale * sum_i dS_i q_i, summed over the group's heads
 // Both backward kernels write every element once: deterministic, no atomics.
+//
+// Block-sparse masks: with a list (p.kv_blocks for the forward and dQ, p.q_blocks for dK/dV) a
+// block stages only the chunks of the tiles listed for its row tile (Chunks below); without one,
+// every chunk that some row of the block may see. The element masks (causal, sequence ends) are
+// the same either way.
 #include "params.cuh"
 #include "mask.cuh"
 
@@ -174,6 +179,48 @@ __device__ __forceinline__ index_t stat_index(int b, int h, int nheads, int seql
     return (static_cast<index_t>(b) * nheads + h) * seqlen_q + row;
 }
 
+// The chunks of kChunk positions of the other side (keys for the forward and dQ, queries for
+// dK/dV) that a block stages. Positions outside [lo, hi) are hidden from every row of the block.
+// Dense (no list): chunk c starts at lo + c * kChunk, up to hi. Block-sparse: the listed tiles'
+// chunks (list_tile % kChunk == 0: tiles hold whole chunks, so a chunk never straddles two tiles
+// and each position is staged at most once), those that miss [lo, hi) skipped; the element masks
+// in the loop bodies clip the rest. Derived from blockIdx and the head alone: block-uniform, as
+// the __syncthreads in the loops need (the plain kernels' blocks of kWarps rows lie inside one
+// row tile: row_tile % kWarps == 0).
+struct Chunks {
+    const int* idx;   // the row tile's list of tiles, or null: dense
+    int count;        // chunks to walk, skipped ones included
+    int tile;         // list_tile
+    int lo, hi;
+
+    __device__ __forceinline__ int start(int c) const {
+        if (!idx) return lo + c * kChunk;
+        const int per_tile = tile / kChunk;
+        return idx[c / per_tile] * tile + c % per_tile * kChunk;
+    }
+    // Nothing of the chunk at `start` is in [lo, hi) (never so when dense).
+    __device__ __forceinline__ bool skip(int start) const {
+        return start + kChunk <= lo || start >= hi;
+    }
+};
+
+// The chunks of the block whose first row is row0, for (query) head h.
+__device__ __forceinline__ Chunks visited_chunks(const BlockList& bl, int h, int row0, int lo, int hi) {
+    Chunks ch;
+    ch.tile = bl.list_tile;
+    ch.lo = lo;
+    ch.hi = hi;
+    if (bl.idx) {
+        const index_t r = block_row(bl, h, row0 / bl.row_tile);
+        ch.idx = bl.idx + r * bl.width;
+        ch.count = bl.count[r] * (bl.list_tile / kChunk);
+    } else {
+        ch.idx = nullptr;
+        ch.count = (hi - lo + kChunk - 1) / kChunk;   // <= 0 when hi <= lo
+    }
+    return ch;
+}
+
 }  // namespace generic_impl
 
 template <typename T, int HeadDim, bool Causal>
@@ -201,9 +248,12 @@ generic_fwd_kernel(const FwdParams p) {
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] = T(0);
     T m = -Prec<T>::inf();   // running max of the scores, in the kernel's base
-    T l = T(0);              // running sum of exp(s - m)
+    T l = T(0);              // running sum of exp(s - m); chunks may come in any order
 
-    for (int k0 = 0; k0 < kend_block; k0 += kChunk) {
+    const Chunks chunks = visited_chunks(p.kv_blocks, h, blockIdx.x * kWarps, 0, kend_block);
+    for (int c = 0; c < chunks.count; ++c) {
+        const int k0 = chunks.start(c);
+        if (chunks.skip(k0)) continue;   // block-uniform
         __syncthreads();   // no warp still reads the previous chunk
         load_chunk<T, HeadDim>(k_tile, p.k, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
         load_chunk<T, HeadDim>(v_tile, p.v, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
@@ -264,7 +314,10 @@ generic_bwd_dq_kernel(const BwdParams p) {
         dsum = static_cast<const T*>(p.dsum)[s];
     }
 
-    for (int k0 = 0; k0 < kend_block; k0 += kChunk) {
+    const Chunks chunks = visited_chunks(p.kv_blocks, h, blockIdx.x * kWarps, 0, kend_block);
+    for (int c = 0; c < chunks.count; ++c) {
+        const int k0 = chunks.start(c);
+        if (chunks.skip(k0)) continue;   // block-uniform
         __syncthreads();   // no warp still reads the previous chunk
         load_chunk<T, HeadDim>(k_tile, p.k, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
         load_chunk<T, HeadDim>(v_tile, p.v, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
@@ -310,7 +363,12 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     for (int g = 0; g < p.group; ++g) {
         const int h = hk * p.group + g;
         const index_t stat0 = stat_index(b, h, p.nheads, p.seqlen_q, 0);
-        for (int q0 = qbegin_block; q0 < p.seqlen_q; q0 += kChunk) {
+        // Each query head its own list (one shared list when the mask has one head).
+        const Chunks chunks = visited_chunks(p.q_blocks, h, blockIdx.x * kWarps, qbegin_block,
+                                             p.seqlen_q);
+        for (int c = 0; c < chunks.count; ++c) {
+            const int q0 = chunks.start(c);
+            if (chunks.skip(q0)) continue;   // block-uniform
             __syncthreads();   // no warp still reads the previous chunk
             load_chunk<T, HeadDim>(q_tile, p.q, b, h, q0, p.seqlen_q, p.headdim, warp, lane);
             load_chunk<T, HeadDim>(dout_tile, p.dout, b, h, q0, p.seqlen_q, p.headdim, warp, lane);

@@ -14,6 +14,20 @@ struct TensorRef {
     index_t head_stride;
 };
 
+// Block-sparse iteration lists, in units of the kernel's tiles (null idx: dense). For each
+// (mask head, tile on one side) the tiles of the other side to visit, the `partial` ones that
+// need element masking first: idx (heads, rows, width), count and partial (heads, rows), int32.
+struct BlockList {
+    const int* idx;
+    const int* count;
+    const int* partial;
+    int width;           // padded list length: the number of tiles on the listed side
+    int rows;            // the number of tiles on the other side
+    int heads;           // 1 (one mask for all heads) or nheads
+    int row_tile;        // tile sizes (rows and listed side), which the tensor-core kernels
+    int list_tile;       // know as template constants and the plain kernels read from here
+};
+
 struct FwdParams {
     TensorRef q, k, v, o;
     void* lse;           // (batch, nheads, seqlen_q), contiguous, natural log; float32,
@@ -23,6 +37,7 @@ struct FwdParams {
     int vec_ok;          // every row start is 16-byte aligned: 16-byte vector loads allowed
     double scale;        // softmax scale applied to q.k (double for the float64 path)
     float scale_log2;    // scale * log2(e): the fp16/bf16/fp32 kernels work in base 2
+    BlockList kv_blocks; // per query tile, the key tiles to visit
 };
 
 struct BwdParams {
@@ -36,7 +51,14 @@ struct BwdParams {
     int vec_ok;
     double scale;
     float scale_log2;
+    BlockList kv_blocks; // per query tile, the key tiles to visit (dQ pass)
+    BlockList q_blocks;  // per key tile, the query tiles that visit it (dK/dV pass)
 };
+
+// The list of one (head, tile) row of a BlockList.
+__device__ __forceinline__ index_t block_row(const BlockList& bl, int h, int tile) {
+    return static_cast<index_t>(bl.heads == 1 ? 0 : h) * bl.rows + tile;
+}
 
 // Row i of a (batch, seqlen, nheads, headdim) tensor, for one batch and head.
 template <typename T>

@@ -15,6 +15,10 @@ MAX_HEADDIM = HEAD_DIM_BUCKETS[-1]
 GENERIC_WARPS = 8
 GENERIC_CHUNK = 32
 
+# Block sizes a BlockMask may have per side; tiles are at most the smallest.
+MASK_BLOCK_SIZES = (64, 128)
+MAX_BLOCK = max(MASK_BLOCK_SIZES)
+
 # The padding of a shared-memory row of a 16-bit tile, in elements: 16 bytes, which moves
 # consecutive rows by four banks so that ldmatrix and 16-byte stores hit all 32 banks.
 SMEM_PAD = 8
@@ -61,18 +65,18 @@ class DqTile:
 
 # Largest first; the first tile whose shared memory fits the device is taken.
 _FWD = {
-    32: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
+    32: [FwdTile(128, 64, 4), FwdTile(64, 64, 2)],
     64: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
     96: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
     128: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
     160: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
     192: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
-    224: [FwdTile(128, 64, 8), FwdTile(64, 32, 4)],
-    256: [FwdTile(128, 64, 8), FwdTile(64, 32, 4)],
+    224: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
+    256: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
 }
 _BWD = {
-    32: [BwdTile(128, 64, 8), BwdTile(64, 64, 4)],
-    64: [BwdTile(128, 64, 8), BwdTile(64, 64, 4)],
+    32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
+    64: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
     96: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     128: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
@@ -96,12 +100,15 @@ _TABLES = {"fwd": _FWD, "bwd": _BWD, "dq": _DQ}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
-def tile(pass_, hd, smem_limit):
-    """The tile for ``pass_`` ("fwd", "bwd" or "dq") at head-dim bucket ``hd``."""
+def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK):
+    """The tile for ``pass_`` ("fwd", "bwd" or "dq") at head-dim bucket ``hd``. A block-sparse
+    mask bounds the tile by its block sizes (``max_q`` x ``max_k``) so that every kernel tile
+    lies inside one mask block."""
     for t in _TABLES[pass_][hd]:
-        if t.smem_bytes(hd) <= smem_limit:
+        if t.smem_bytes(hd) <= smem_limit and t.br <= max_q and t.bc <= max_k:
             return t
-    raise RuntimeError(f"no {pass_} tile for head dim {hd} fits {smem_limit} bytes of shared memory")
+    raise RuntimeError(f"no {pass_} tile for head dim {hd} fits {smem_limit} bytes of shared "
+                       f"memory and {max_q} x {max_k} mask blocks")
 
 
 def all_tiles(pass_, hd):

@@ -16,14 +16,17 @@ LOG2E = math.log2(math.e)
 _TENSOR = [("ptr", np.uint64), ("batch_stride", np.int64), ("row_stride", np.int64),
            ("head_stride", np.int64)]
 TENSOR_REF = np.dtype(_TENSOR, align=True)
+BLOCK_LIST = np.dtype([("idx", np.uint64), ("count", np.uint64), ("partial", np.uint64),
+                       ("width", np.int32), ("rows", np.int32), ("heads", np.int32),
+                       ("row_tile", np.int32), ("list_tile", np.int32)], align=True)
 _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("group", np.int32),
          ("seqlen_q", np.int32), ("seqlen_k", np.int32), ("headdim", np.int32),
          ("vec_ok", np.int32), ("scale", np.float64), ("scale_log2", np.float32)]
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
-                      + [("lse", np.uint64)] + _DIMS, align=True)
+                      + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
                       + [("lse", np.uint64), ("dsum", np.uint64), ("dq_accum", np.uint64)]
-                      + _DIMS, align=True)
+                      + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST)], align=True)
 
 # C++ spelling of the element type of each dtype in the kernels' template names.
 ELEM = {"float16": "fp16", "bfloat16": "bf16", "float32": "float", "float64": "double"}
@@ -78,8 +81,34 @@ def _generic_smem(d_bucket, itemsize):
     return 2 * _config.GENERIC_CHUNK * (d_bucket + 1) * itemsize
 
 
-def forward(q, k, v, out, lse, scale, causal):
-    """Launch the forward pass. ``out`` and ``lse`` are preallocated outputs."""
+def _tile_limits(block_mask):
+    return (block_mask.block_q, block_mask.block_k) if block_mask is not None else ()
+
+
+def _fill_lists(rec, idx, count, partial, row_tile, list_tile, heads):
+    rec["idx"], rec["count"], rec["partial"] = idx.data.ptr, count.data.ptr, partial.data.ptr
+    _, rec["rows"], rec["width"] = idx.shape
+    rec["heads"] = heads
+    rec["row_tile"], rec["list_tile"] = row_tile, list_tile
+
+
+def _kv_lists(rec, block_mask, tile_q, tile_k, causal):
+    import cupy
+    tl = block_mask.tile_lists(tile_q, tile_k, causal, cupy)
+    _fill_lists(rec, tl.kv_idx, tl.kv_count, tl.kv_partial, tile_q, tile_k, block_mask.heads)
+    return tl
+
+
+def _q_lists(rec, block_mask, tile_q, tile_k, causal):
+    import cupy
+    tl = block_mask.tile_lists(tile_q, tile_k, causal, cupy)
+    _fill_lists(rec, tl.q_idx, tl.q_count, tl.q_partial, tile_k, tile_q, block_mask.heads)
+    return tl
+
+
+def forward(q, k, v, out, lse, scale, causal, block_mask=None):
+    """Launch the forward pass. ``out`` and ``lse`` are preallocated outputs. With a
+    ``block_mask``, ``causal`` is already the call's flag or the mask's."""
     p = np.zeros((), FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         _tensor_ref(p[name], a)
@@ -90,16 +119,21 @@ def forward(q, k, v, out, lse, scale, causal):
     hd = _config.head_dim_bucket(d)
     elem = ELEM[q.dtype.name]
     if q.dtype.name in TENSOR_CORE:
-        t = _config.tile("fwd", hd, _smem_limit())
+        t = _config.tile("fwd", hd, _smem_limit(), *_tile_limits(block_mask))
+        if block_mask is not None:
+            _kv_lists(p["kv_blocks"], block_mask, t.br, t.bc, causal)
         name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal)
         _launch("fwd.cu", name, (_cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), p[()])
     else:
+        if block_mask is not None:
+            _kv_lists(p["kv_blocks"], block_mask, block_mask.block_q, block_mask.block_k, causal)
         name = template_name("generic_fwd_kernel", elem, hd, causal)
         _launch("generic.cu", name, (_cdiv(sq, _config.GENERIC_WARPS), h, b),
                 32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()])
 
 
-def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal, deterministic):
+def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal, deterministic,
+             block_mask=None):
     """Launch the backward passes. ``dq``, ``dk``, ``dv`` and ``dsum`` are preallocated;
     ``dq_accum`` is a zeroed fp32 buffer shaped like q, or None (deterministic / plain path)."""
     p = np.zeros((), BWD_PARAMS)
@@ -114,29 +148,36 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
     sk, hk = k.shape[1], k.shape[2]
     hd = _config.head_dim_bucket(d)
     elem = ELEM[q.dtype.name]
-    pr = p[()]
-    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem),
-            (_cdiv(sq, _config.GENERIC_WARPS), h, b), 32 * _config.GENERIC_WARPS, 0, pr)
+    rows = (_cdiv(sq, _config.GENERIC_WARPS), h, b)
+    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem), rows,
+            32 * _config.GENERIC_WARPS, 0, p[()])
     if q.dtype.name in TENSOR_CORE:
         limit = _smem_limit()
-        t = _config.tile("bwd", hd, limit)
+        t = _config.tile("bwd", hd, limit, *_tile_limits(block_mask))
+        if block_mask is not None:
+            _q_lists(p["q_blocks"], block_mask, t.br, t.bc, causal)
         name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, causal,
                              dq_accum is not None)
-        _launch("bwd.cu", name, (_cdiv(sk, t.bc), hk, b), 32 * t.warps, t.smem_bytes(hd), pr)
+        _launch("bwd.cu", name, (_cdiv(sk, t.bc), hk, b), 32 * t.warps, t.smem_bytes(hd), p[()])
         if dq_accum is None:
-            t = _config.tile("dq", hd, limit)
+            t = _config.tile("dq", hd, limit, *_tile_limits(block_mask))
+            if block_mask is not None:
+                _kv_lists(p["kv_blocks"], block_mask, t.br, t.bc, causal)
             name = template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal)
-            _launch("bwd.cu", name, (_cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), pr)
+            _launch("bwd.cu", name, (_cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), p[()])
         else:
-            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem),
-                    (_cdiv(sq, _config.GENERIC_WARPS), h, b), 32 * _config.GENERIC_WARPS, 0, pr)
+            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), rows,
+                    32 * _config.GENERIC_WARPS, 0, p[()])
     else:
+        if block_mask is not None:
+            _kv_lists(p["kv_blocks"], block_mask, block_mask.block_q, block_mask.block_k, causal)
+            _q_lists(p["q_blocks"], block_mask, block_mask.block_q, block_mask.block_k, causal)
         smem = _generic_smem(hd, q.itemsize)
         threads = 32 * _config.GENERIC_WARPS
         _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, causal),
-                (_cdiv(sq, _config.GENERIC_WARPS), h, b), threads, smem, pr)
+                rows, threads, smem, p[()])
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, causal),
-                (_cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, pr)
+                (_cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()])
 
 
 def kernel_names(smem_limit):
@@ -147,20 +188,25 @@ def kernel_names(smem_limit):
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):
         names["bwd.cu"].append(template_name("bwd_convert_dq_kernel", elem))
+    limits = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
     for hd in _config.HEAD_DIM_BUCKETS:
-        fwd = _config.tile("fwd", hd, smem_limit)
-        bwd = _config.tile("bwd", hd, smem_limit)
-        dq = _config.tile("dq", hd, smem_limit)
+        # Dense calls take the largest tiles, which equal those of 128 x 128 mask blocks.
+        fwd = {_config.tile("fwd", hd, smem_limit, *lim) for lim in limits}
+        bwd = {_config.tile("bwd", hd, smem_limit, *lim) for lim in limits}
+        dq = {_config.tile("dq", hd, smem_limit, *lim) for lim in limits}
         for causal in (False, True):
             for elem in (ELEM[d] for d in TENSOR_CORE):
-                names["fwd.cu"].append(template_name(
-                    "flash_fwd_kernel", elem, hd, fwd.br, fwd.bc, fwd.warps, causal))
-                for atomic_dq in (False, True):
+                for t in sorted(fwd, key=repr):
+                    names["fwd.cu"].append(template_name(
+                        "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal))
+                for t in sorted(bwd, key=repr):
+                    for atomic_dq in (False, True):
+                        names["bwd.cu"].append(template_name(
+                            "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, causal,
+                            atomic_dq))
+                for t in sorted(dq, key=repr):
                     names["bwd.cu"].append(template_name(
-                        "flash_bwd_dkdv_kernel", elem, hd, bwd.bc, bwd.br, bwd.warps, causal,
-                        atomic_dq))
-                names["bwd.cu"].append(template_name(
-                    "flash_bwd_dq_kernel", elem, hd, dq.br, dq.bc, dq.warps, causal))
+                        "flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal))
             for elem in ("float", "double"):
                 for kernel in ("generic_fwd_kernel", "generic_bwd_dq_kernel",
                                "generic_bwd_dkdv_kernel"):

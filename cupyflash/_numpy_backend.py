@@ -86,26 +86,75 @@ def _lse_dtype(dtype):
     return np.float64 if dtype == np.float64 else np.float32
 
 
-def forward(q, k, v, scale, causal):
+def _mask_visits(block_mask, causal):
+    """The mask's lists (tiles = its blocks) as ``kv[head][q_block] = [(key_block, partial)]``
+    and ``qv[head][key_block] = [(q_block, partial)]``, partial ones first."""
+    t = block_mask.tile_lists(block_mask.block_q, block_mask.block_k, causal, np)
+
+    def unpack(idx, count, n_partial):
+        return [[[(int(j), pos < int(n_partial[hm, row]))
+                  for pos, j in enumerate(idx[hm, row, :count[hm, row]])]
+                 for row in range(idx.shape[1])]
+                for hm in range(idx.shape[0])]
+
+    return unpack(t.kv_idx, t.kv_count, t.kv_partial), unpack(t.q_idx, t.q_count, t.q_partial)
+
+
+def _head_groups(block_mask, nheads, nheads_k):
+    """``(mask_head, kv_heads, group_heads)`` slices of the grouped layout that share one list
+    of visited blocks: all heads at once, or one query head at a time for per-head masks."""
+    if block_mask is None or block_mask.heads == 1:
+        yield 0, slice(None), slice(None)
+        return
+    g = nheads // nheads_k
+    for head in range(nheads):              # query head = kv_head * g + index in group
+        yield head, slice(head // g, head // g + 1), slice(head % g, head % g + 1)
+
+
+def forward(q, k, v, scale, causal, block_mask=None):
     """Returns ``(out, lse)``: out like q in q's dtype, lse (batch, nheads, seqlen_q) in
-    natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key."""
+    natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key.
+
+    With ``block_mask`` (a ``BlockMask`` whose geometry was checked), the tiles are the
+    mask's blocks and each query block visits only its listed key blocks; ``causal`` is
+    ORed with the mask's own."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
+    if block_mask is None:
+        br, bc = BR, BC
+        kv_lists = [[key_blocks(i, sq, sk, causal) for i in range(-(-sq // BR))]]
+    else:
+        br, bc = block_mask.block_q, block_mask.block_k
+        causal = causal or block_mask.causal
+        kv_lists, _ = _mask_visits(block_mask, causal)
+    out = np.zeros(q64.shape, np.float64)
+    lse = np.full(q64.shape[:-1], -np.inf)
+    for mask_head, kv_heads, group in _head_groups(block_mask, h, hk):
+        out[:, kv_heads, group], lse[:, kv_heads, group] = _forward_tiles(
+            q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads], scale, sq, sk,
+            causal, kv_lists[mask_head], br, bc)
+    return _ungrouped(out, q.dtype), lse.reshape(b, h, sq).astype(_lse_dtype(q.dtype))
+
+
+def _forward_tiles(q64, k64, v64, scale, sq, sk, causal, kv_list, br, bc):
+    """The forward loop over query tiles of ``br`` rows, each visiting the key tiles of
+    ``bc`` keys in ``kv_list[query_tile]``. Grouped float64 layout in, (out, lse) out."""
     scale_log2 = scale * LOG2E
     out = np.zeros(q64.shape, np.float64)
     lse = np.full(q64.shape[:-1], -np.inf)
-    for i in range(-(-sq // BR)):
-        r0, r1 = i * BR, min((i + 1) * BR, sq)
+    for i, visits in enumerate(kv_list):
+        r0, r1 = i * br, min((i + 1) * br, sq)
         q_t = q64[..., r0:r1, :]
         m = np.full(q_t.shape[:-1], -np.inf)          # running max, base-2 units
         l = np.zeros(q_t.shape[:-1])                  # running sum of exp2(s - m)
         acc = np.zeros(q_t.shape)                     # unnormalized output
-        for j, partial in key_blocks(i, sq, sk, causal):
-            c0, c1 = j * BC, min((j + 1) * BC, sk)
+        for j, partial in visits:
+            c0, c1 = j * bc, min((j + 1) * bc, sk)
             k_t, v_t = k64[..., c0:c1, :], v64[..., c0:c1, :]
             s = (q_t @ k_t.swapaxes(-1, -2)) * scale_log2
-            if partial:
+            # Sequence tails are sliced off here, so only the causal rule needs masking.
+            if partial and causal:
                 s = np.where(_tile_mask(np.arange(r0, r1), np.arange(c0, c1), sq, sk), s, -np.inf)
             m_new = np.maximum(m, s.max(axis=-1))
             # A row with no visible key yet keeps m = -inf; subtract 0 instead so that
@@ -120,35 +169,64 @@ def forward(q, k, v, scale, causal):
         l_safe = np.where(seen, l, 1.0)
         out[..., r0:r1, :] = np.where(seen[..., None], acc / l_safe[..., None], 0.0)
         lse[..., r0:r1] = np.where(seen, (m + np.log2(l_safe)) / LOG2E, -np.inf)
-    return _ungrouped(out, q.dtype), lse.reshape(b, h, sq).astype(_lse_dtype(q.dtype))
+    return out, lse
 
 
-def backward(dout, q, k, v, out, lse, scale, causal):
+def backward(dout, q, k, v, out, lse, scale, causal, block_mask=None):
     """Returns ``(dq, dk, dv)`` shaped and typed like q, k and v (dk, dv summed over the
-    query heads of each group)."""
+    query heads of each group). ``block_mask`` as in ``forward``: each key block loops over
+    the query blocks of the mask's transposed lists."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
     q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
     do64, o64 = _grouped(dout, hk), _grouped(out, hk)
-    scale_log2 = scale * LOG2E
     dsum = (do64 * o64).sum(axis=-1)                  # D = rowsum(dO * O), (b, hk, g, sq)
     lse64 = np.asarray(lse, dtype=np.float64).reshape(b, hk, g, sq)
     # Rows that saw no key (lse = -inf) get P = exp2(s - inf) = 0 instead of inf or NaN.
     lse_log2 = np.where(np.isneginf(lse64), np.inf, lse64 * LOG2E)
+    if block_mask is None:
+        br, bc = BR, BC
+        q_lists = [query_blocks(sq, sk, causal)]
+    else:
+        br, bc = block_mask.block_q, block_mask.block_k
+        causal = causal or block_mask.causal
+        _, q_lists = _mask_visits(block_mask, causal)
     dq = np.zeros(q64.shape)
     dk = np.zeros(k64.shape[:2] + k64.shape[3:])      # (b, hk, sk, d)
     dv = np.zeros(dk.shape)
-    for j, visitors in enumerate(query_blocks(sq, sk, causal)):
-        c0, c1 = j * BC, min((j + 1) * BC, sk)
+    for mask_head, kv_heads, group in _head_groups(block_mask, h, hk):
+        dq_h, dk_h, dv_h = _backward_tiles(
+            q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads],
+            do64[:, kv_heads, group], dsum[:, kv_heads, group], lse_log2[:, kv_heads, group],
+            scale, sq, sk, causal, q_lists[mask_head], br, bc)
+        dq[:, kv_heads, group] = dq_h
+        dk[:, kv_heads] += dk_h                       # per-head masks: summed head by head
+        dv[:, kv_heads] += dv_h
+    dk = np.ascontiguousarray(dk.transpose(0, 2, 1, 3).astype(k.dtype))
+    dv = np.ascontiguousarray(dv.transpose(0, 2, 1, 3).astype(v.dtype))
+    return _ungrouped(dq, q.dtype), dk, dv
+
+
+def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scale, sq, sk, causal, q_list, br, bc):
+    """The backward loop: for each key tile ``j`` of ``bc`` keys, the query tiles of ``br``
+    rows in ``q_list[j]``. Returns dq (grouped) and dk, dv (b, nheads_k, seqlen_k, d), summed
+    over the group."""
+    scale_log2 = scale * LOG2E
+    b, hk, _, _, d = q64.shape
+    dq = np.zeros(q64.shape)
+    dk = np.zeros((b, hk, sk, d))
+    dv = np.zeros(dk.shape)
+    for j, visitors in enumerate(q_list):
+        c0, c1 = j * bc, min((j + 1) * bc, sk)
         k_t, v_t = k64[..., c0:c1, :], v64[..., c0:c1, :]
         dk_t = np.zeros((b, hk, c1 - c0, d))
         dv_t = np.zeros_like(dk_t)
         for i, partial in visitors:
-            r0, r1 = i * BR, min((i + 1) * BR, sq)
+            r0, r1 = i * br, min((i + 1) * br, sq)
             q_t, do_t = q64[..., r0:r1, :], do64[..., r0:r1, :]
             s = (q_t @ k_t.swapaxes(-1, -2)) * scale_log2
-            if partial:
+            if partial and causal:
                 s = np.where(_tile_mask(np.arange(r0, r1), np.arange(c0, c1), sq, sk), s, -np.inf)
             p = np.exp2(s - lse_log2[..., r0:r1, None])
             dv_t += (p.swapaxes(-1, -2) @ do_t).sum(axis=2)     # summed over the group
@@ -158,6 +236,4 @@ def backward(dout, q, k, v, out, lse, scale, causal):
             dq[..., r0:r1, :] += (ds @ k_t) * scale
         dk[..., c0:c1, :] = dk_t
         dv[..., c0:c1, :] = dv_t
-    dk = np.ascontiguousarray(dk.transpose(0, 2, 1, 3).astype(k.dtype))
-    dv = np.ascontiguousarray(dv.transpose(0, 2, 1, 3).astype(v.dtype))
-    return _ungrouped(dq, q.dtype), dk, dv
+    return dq, dk, dv

@@ -138,3 +138,23 @@ def _check_scale(scale):
 
 def _is_cupy(a):
     return type(a).__module__.split(".")[0] == "cupy"
+
+
+def check_block_mask(block_mask, q, k):
+    """``block_mask`` is a BlockMask whose geometry fits q (batch, seqlen_q, nheads, d) and
+    k (batch, seqlen_k, nheads_k, d): same seqlens, heads 1 or nheads."""
+    from .masks import BlockMask
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cupyflash.BlockMask or None, got "
+                        f"{type(block_mask).__name__}")
+    for side, axis_name, mask_len, a in (("seqlen_q", "q", block_mask.seqlen_q, q),
+                                         ("seqlen_k", "k", block_mask.seqlen_k, k)):
+        if mask_len != a.shape[1]:
+            raise ValueError(f"block_mask: {side} {mask_len} does not match {axis_name}'s "
+                             f"{side} {a.shape[1]} (block_mask was built for seqlen_q="
+                             f"{block_mask.seqlen_q}, seqlen_k={block_mask.seqlen_k}; q has "
+                             f"seqlen_q={q.shape[1]}, k has seqlen_k={k.shape[1]})")
+    nheads = q.shape[2]
+    if block_mask.heads not in (1, nheads):
+        raise ValueError(f"block_mask: heads must be 1 or q's nheads ({nheads}), got "
+                         f"{block_mask.heads}")

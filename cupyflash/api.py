@@ -6,7 +6,8 @@ import numpy as np
 from . import _arrays, _validate
 
 
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=None,
+                    return_lse=False):
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
     Parameters
@@ -33,6 +34,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
         A row that sees no key gets output 0 and lse ``-inf``.
     softmax_scale : float, optional
         Defaults to ``headdim ** -0.5``.
+    block_mask : BlockMask, optional
+        Block-sparse attention: only the kept blocks are visited (masked-out blocks cost no
+        memory traffic and no math). The result equals dense attention with the element mask
+        ``block_mask.to_dense()`` (and the causal mask if ``causal``); see ``cupyflash.masks``.
     return_lse : bool
         Also return ``lse = log(sum_j exp(s_ij))`` (natural log), (batch, nheads, seqlen_q),
         float32 (float64 for float64 inputs), which the backward pass needs.
@@ -43,25 +48,26 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     """
     (q, k, v), kind, xp = _arrays.as_backend((q, k, v), ("q", "k", "v"))
     _validate.check_forward(q, k, v, softmax_scale)
+    causal = _check_mask(block_mask, q, k, causal)
     scale = _scale(softmax_scale, q.shape[-1])
     if xp is np:
         from . import _numpy_backend
-        out, lse = _numpy_backend.forward(q, k, v, scale, bool(causal))
+        out, lse = _numpy_backend.forward(q, k, v, scale, causal, block_mask)
     else:
-        out, lse = _forward_gpu(q, k, v, scale, bool(causal))
+        out, lse = _forward_gpu(q, k, v, scale, causal, block_mask)
     out = _arrays.to_caller(out, kind, q)
     return (out, _arrays.to_caller(lse, kind, q)) if return_lse else out
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
-                             deterministic=False):
+                             block_mask=None, deterministic=False):
     """Gradients of ``flash_attention`` with respect to q, k and v.
 
     Parameters
     ----------
     dout : array like ``out``, the gradient of the loss with respect to ``out``.
     q, k, v, out, lse : the forward's inputs, output and lse (``return_lse=True``).
-    causal, softmax_scale : as given to the forward.
+    causal, softmax_scale, block_mask : as given to the forward.
     deterministic : bool
         Compute dq in its own query-block-parallel pass instead of adding it up with
         atomics, so that repeated calls give bit-identical dq (a little slower).
@@ -75,13 +81,23 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     arrays, kind, xp = _arrays.as_backend((dout, q, k, v, out, lse), names)
     dout, q, k, v, out, lse = arrays
     _validate.check_backward(dout, q, k, v, out, lse, softmax_scale)
+    causal = _check_mask(block_mask, q, k, causal)
     scale = _scale(softmax_scale, q.shape[-1])
     if xp is np:
         from . import _numpy_backend
-        grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, bool(causal))
+        grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, causal, block_mask)
     else:
-        grads = _backward_gpu(dout, q, k, v, out, lse, scale, bool(causal), bool(deterministic))
+        grads = _backward_gpu(dout, q, k, v, out, lse, scale, causal, bool(deterministic),
+                              block_mask)
     return tuple(_arrays.to_caller(g, kind, q) for g in grads)
+
+
+def _check_mask(block_mask, q, k, causal):
+    """Validate the mask against the call; return the effective causal flag."""
+    if block_mask is None:
+        return bool(causal)
+    _validate.check_block_mask(block_mask, q, k)
+    return bool(causal) or block_mask.causal
 
 
 def _scale(softmax_scale, headdim):
@@ -92,18 +108,18 @@ def _acc_dtype(dtype):
     return np.float64 if dtype == np.float64 else np.float32
 
 
-def _forward_gpu(q, k, v, scale, causal):
+def _forward_gpu(q, k, v, scale, causal, block_mask):
     import cupy as cp
     from . import _launch
     with cp.cuda.Device(q.device):
         b, sq, h, _ = q.shape
         out = cp.empty(q.shape, q.dtype)
         lse = cp.empty((b, h, sq), _acc_dtype(q.dtype))
-        _launch.forward(q, k, v, out, lse, scale, causal)
+        _launch.forward(q, k, v, out, lse, scale, causal, block_mask)
     return out, lse
 
 
-def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic):
+def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic, block_mask):
     import cupy as cp
     from . import _launch
     with cp.cuda.Device(q.device):
@@ -116,5 +132,5 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic):
         use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
         dq_accum = cp.zeros(q.shape, cp.float32) if use_atomics else None
         _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
-                         deterministic)
+                         deterministic, block_mask)
     return dq, dk, dv

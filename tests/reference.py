@@ -122,27 +122,33 @@ def _softmax(s, xp):
     return p, lse[..., 0]
 
 
-def _scores(q, k, scale, causal):
-    """(b, h, sq, sk) scores q k^T * scale, -inf where masked; k already repeated to h heads."""
+def _scores(q, k, scale, causal, mask=None):
+    """(b, h, sq, sk) scores q k^T * scale, -inf where masked; k already repeated to h heads.
+    ``mask``: optional element mask, bool (h or 1, sq, sk), True where visible, ANDed with
+    causal."""
     xp = get_xp(q)
     s = _einsum("bihd,bjhd->bhij", q, k) * scale
     if causal:
         s = xp.where(_causal_visible(xp, q.shape[1], k.shape[1]), s, -xp.inf)
+    if mask is not None:
+        s = xp.where(xp.asarray(mask, dtype=bool)[None], s, -xp.inf)
     return s
 
 
-def attention_ref(q, k, v, scale, causal):
-    """Full-matrix attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq)."""
+def attention_ref(q, k, v, scale, causal, mask=None):
+    """Full-matrix attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq).
+    ``mask``: optional element mask, bool (h or 1, sq, sk), True where visible (e.g.
+    ``BlockMask.to_dense()``), ANDed with causal."""
     xp = get_xp(q, k, v)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
     h = q.shape[2]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
-    p, lse = _softmax(_scores(q, k, scale, causal), xp)
+    p, lse = _softmax(_scores(q, k, scale, causal, mask), xp)
     out = _einsum("bhij,bjhd->bihd", p, v)
     return out, lse
 
 
-def attention_ref_backward(dout, q, k, v, scale, causal):
+def attention_ref_backward(dout, q, k, v, scale, causal, mask=None):
     """Gradients of ``attention_ref`` in float64, by the explicit formulas on the full matrix:
     dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K * scale,
     dK = dS^T Q * scale; dk and dv summed over the query heads of each group."""
@@ -150,7 +156,7 @@ def attention_ref_backward(dout, q, k, v, scale, causal):
     dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
     h, hk = q.shape[2], k.shape[2]
     k_h, v_h = _repeat_kv(k, h), _repeat_kv(v, h)
-    p, _ = _softmax(_scores(q, k_h, scale, causal), xp)
+    p, _ = _softmax(_scores(q, k_h, scale, causal, mask), xp)
     dv = _einsum("bhij,bihd->bjhd", p, dout)
     dp = _einsum("bihd,bjhd->bhij", dout, v_h)
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
@@ -162,33 +168,33 @@ def attention_ref_backward(dout, q, k, v, scale, causal):
 # ---------------------------------------------------------------------------------------------
 # A naive implementation in a given dtype
 
-def _naive_probs(q, k, scale, causal, dtype):
+def _naive_probs(q, k, scale, causal, dtype, mask=None):
     """Rounded operands and P = round(softmax(round(q k^T * scale))), each stage in float32."""
     xp = get_xp(q, k)
     q, k = round_to(q, dtype), round_to(k, dtype)
     k_h = _repeat_kv(k, q.shape[2])
-    s = round_to(_scores(q, k_h, scale, causal), dtype)
+    s = round_to(_scores(q, k_h, scale, causal, mask), dtype)
     p, lse = _softmax(s, xp)
     return q, k_h, round_to(p, dtype), round_to(lse, dtype)
 
 
-def attention_naive(q, k, v, scale, causal, dtype):
+def attention_naive(q, k, v, scale, causal, dtype, mask=None):
     """Standard attention as a naive ``dtype`` implementation computes it (S, P and O each
     rounded to ``dtype``). Returns (out, lse) as float32 (float64 for "float64")."""
-    _, _, p, lse = _naive_probs(q, k, scale, causal, dtype)
+    _, _, p, lse = _naive_probs(q, k, scale, causal, dtype, mask)
     xp = get_xp(q)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
     out = round_to(_einsum("bhij,bjhd->bihd", p, v_h), dtype)
     return out, lse
 
 
-def attention_naive_backward(dout, q, k, v, scale, causal, dtype):
+def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None):
     """Gradients as a naive ``dtype`` implementation computes them: P recomputed as in
     ``attention_naive``, then dV, dP, dS, dQ and dK each computed in float32 from rounded
     operands and rounded to ``dtype``. Returns (dq, dk, dv)."""
     xp = get_xp(dout, q, k, v)
     hk = k.shape[2]
-    q, k_h, p, _ = _naive_probs(q, k, scale, causal, dtype)
+    q, k_h, p, _ = _naive_probs(q, k, scale, causal, dtype, mask)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
     dout = round_to(dout, dtype)
     dv = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", p, dout), hk), dtype)

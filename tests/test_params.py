@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from cupyflash import _compile  # noqa: E402
-from cupyflash._launch import BWD_PARAMS, FWD_PARAMS, TENSOR_REF  # noqa: E402
+from cupyflash._launch import BLOCK_LIST, BWD_PARAMS, FWD_PARAMS, TENSOR_REF  # noqa: E402
 
 
 def _asserts(cname, dtype):
@@ -16,7 +16,8 @@ def _asserts(cname, dtype):
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("cname,dtype", [("TensorRef", TENSOR_REF), ("FwdParams", FWD_PARAMS),
+@pytest.mark.parametrize("cname,dtype", [("TensorRef", TENSOR_REF), ("BlockList", BLOCK_LIST),
+                                         ("FwdParams", FWD_PARAMS),
                                          ("BwdParams", BWD_PARAMS)])
 def test_params_struct_layout_matches_numpy_dtype(cname, dtype):
     from cupy_backends.cuda.libs import nvrtc
