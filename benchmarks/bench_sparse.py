@@ -141,6 +141,10 @@ class Flex:
             for name in ("recompile_limit", "cache_size_limit"):
                 if hasattr(torch._dynamo.config, name):
                     setattr(torch._dynamo.config, name, 64)
+            # The timing replays one backward graph (retain_graph=True), which compiled
+            # backwards with donated buffers refuse.
+            import torch._functorch.config
+            torch._functorch.config.donated_buffer = False
             self.torch, self.fa = torch, fa
             self.attend = torch.compile(fa.flex_attention, dynamic=False)
         except Exception as e:

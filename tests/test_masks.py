@@ -262,7 +262,7 @@ def brute_tiles(m, tq, tk, causal):
     cols = np.arange(nkt * tk)[None, :]
     causal_eff = m.causal or causal
     # Without the block grid: is every element of the tile visible by bounds and causal?
-    visible_no_blocks = (cols < sk) & (~causal_eff | (cols <= rows + sk - sq))
+    visible_no_blocks = (cols < sk) & ((not causal_eff) | (cols <= rows + sk - sq))
     for hh, mt, nt in np.ndindex(kept.shape):
         rs, cs = slice(mt * tq, (mt + 1) * tq), slice(nt * tk, (nt + 1) * tk)
         kept[hh, mt, nt] = dense[hh, rs, cs].any()
