@@ -178,6 +178,10 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             }
         }
 
+        // P^T and dS^T go through shared memory. A warp that holds all Br queries of its keys
+        // (WQ == 1) reads back only the rows it wrote itself, so a warp barrier replaces the
+        // block's. (Keeping P^T in registers instead spills at head dim 128.)
+        constexpr bool OwnRows = WQ == 1;
 #pragma unroll
         for (int nt = 0; nt < QW / 8; ++nt) {
 #pragma unroll
@@ -189,14 +193,17 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                 st[nt][e] = pv;
                 dpt[nt][e] = pv * (dpt[nt][e] - sD[qi]);
             }
+            const u32 p_lo = pack2<Elem>(st[nt][0], st[nt][1]), p_hi = pack2<Elem>(st[nt][2], st[nt][3]);
+            const u32 ds_lo = pack2<Elem>(dpt[nt][0], dpt[nt][1]), ds_hi = pack2<Elem>(dpt[nt][2], dpt[nt][3]);
             const int c = qw * QW + nt * 8 + 2 * t;
             const int r = kw * 16 + g;
-            *reinterpret_cast<u32*>(sPt + r * LDP + c) = pack2<Elem>(st[nt][0], st[nt][1]);
-            *reinterpret_cast<u32*>(sPt + (r + 8) * LDP + c) = pack2<Elem>(st[nt][2], st[nt][3]);
-            *reinterpret_cast<u32*>(sdSt + r * LDP + c) = pack2<Elem>(dpt[nt][0], dpt[nt][1]);
-            *reinterpret_cast<u32*>(sdSt + (r + 8) * LDP + c) = pack2<Elem>(dpt[nt][2], dpt[nt][3]);
+            *reinterpret_cast<u32*>(sPt + r * LDP + c) = p_lo;
+            *reinterpret_cast<u32*>(sPt + (r + 8) * LDP + c) = p_hi;
+            *reinterpret_cast<u32*>(sdSt + r * LDP + c) = ds_lo;
+            *reinterpret_cast<u32*>(sdSt + (r + 8) * LDP + c) = ds_hi;
         }
-        __syncthreads();   // P^T and dS^T of the whole block are in shared memory
+        if constexpr (OwnRows) __syncwarp();
+        else __syncthreads();   // P^T and dS^T of the whole block are in shared memory
 
         // dV += P^T dO and dK += dS^T Q for the warp's 16 keys x DW columns.
 #pragma unroll
@@ -219,7 +226,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         }
 
         if constexpr (AtomicDQ) {
-            __syncthreads();   // every warp is done with Q and dO: fetch the next step's
+            __syncthreads();   // dS^T is complete, and every warp is done with Q and dO: fetch the next step's
             if (next.hq < p.group) prefetch(next);
             cp_async_commit();
             // dQ (Br x HeadDim) += dS K, the warp's 16 rows x CW columns, CH at a time,

@@ -46,6 +46,7 @@ class BwdTile:
     bc: int      # keys per thread block (dK/dV stay in registers)
     br: int      # query rows per iteration
     warps: int
+    atomic_only: bool = False   # spills in the deterministic variant (no dQ atomics)
 
     def smem_bytes(self, hd):
         tiles = (2 * self.bc + 2 * self.br) * (hd + SMEM_PAD) * 2      # K, V, Q, dO
@@ -68,7 +69,7 @@ _FWD = {
     32: [FwdTile(128, 64, 4), FwdTile(64, 64, 2)],
     64: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
     96: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
-    128: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
+    128: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
     160: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
     192: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
     224: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
@@ -76,9 +77,10 @@ _FWD = {
 }
 _BWD = {
     32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
-    64: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
+    64: [BwdTile(128, 128, 8, atomic_only=True), BwdTile(128, 64, 8), BwdTile(64, 64, 8),
+         BwdTile(64, 64, 4)],
     96: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
-    128: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
+    128: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     192: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     224: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
@@ -100,11 +102,14 @@ _TABLES = {"fwd": _FWD, "bwd": _BWD, "dq": _DQ}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
-def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK):
+def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK, deterministic=False):
     """The tile for ``pass_`` ("fwd", "bwd" or "dq") at head-dim bucket ``hd``. A block-sparse
     mask bounds the tile by its block sizes (``max_q`` x ``max_k``) so that every kernel tile
-    lies inside one mask block."""
+    lies inside one mask block; ``deterministic`` picks the dK/dV tile of the pass without dQ
+    atomics."""
     for t in _TABLES[pass_][hd]:
+        if deterministic and getattr(t, "atomic_only", False):
+            continue
         if t.smem_bytes(hd) <= smem_limit and t.br <= max_q and t.bc <= max_k:
             return t
     raise RuntimeError(f"no {pass_} tile for head dim {hd} fits {smem_limit} bytes of shared "

@@ -153,7 +153,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
             32 * _config.GENERIC_WARPS, 0, p[()])
     if q.dtype.name in TENSOR_CORE:
         limit = _smem_limit()
-        t = _config.tile("bwd", hd, limit, *_tile_limits(block_mask))
+        t = _config.tile("bwd", hd, limit, *_tile_limits(block_mask),
+                         deterministic=dq_accum is None)
         if block_mask is not None:
             _q_lists(p["q_blocks"], block_mask, t.br, t.bc, causal)
         name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, causal,
@@ -192,18 +193,17 @@ def kernel_names(smem_limit):
     for hd in _config.HEAD_DIM_BUCKETS:
         # Dense calls take the largest tiles, which equal those of 128 x 128 mask blocks.
         fwd = {_config.tile("fwd", hd, smem_limit, *lim) for lim in limits}
-        bwd = {_config.tile("bwd", hd, smem_limit, *lim) for lim in limits}
+        bwd = {(_config.tile("bwd", hd, smem_limit, *lim, deterministic=not atomic), atomic)
+               for lim in limits for atomic in (False, True)}
         dq = {_config.tile("dq", hd, smem_limit, *lim) for lim in limits}
         for causal in (False, True):
             for elem in (ELEM[d] for d in TENSOR_CORE):
                 for t in sorted(fwd, key=repr):
                     names["fwd.cu"].append(template_name(
                         "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal))
-                for t in sorted(bwd, key=repr):
-                    for atomic_dq in (False, True):
-                        names["bwd.cu"].append(template_name(
-                            "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, causal,
-                            atomic_dq))
+                for t, atomic_dq in sorted(bwd, key=repr):
+                    names["bwd.cu"].append(template_name(
+                        "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, causal, atomic_dq))
                 for t in sorted(dq, key=repr):
                     names["bwd.cu"].append(template_name(
                         "flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal))
