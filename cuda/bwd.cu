@@ -70,17 +70,19 @@ __host__ __device__ constexpr int dq_chunk(int W) {
     return W % 64 == 0 ? 64 : W % 48 == 0 ? 48 : W % 32 == 0 ? 32 : 16;
 }
 
-template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, bool Causal, bool AtomicDQ>
+// KM: 16-row slices a warp owns, of keys (S^T, dK, dV) and of queries (dQ). Two slices let a
+// warp reuse each B operand it loads from shared memory twice, which this pass is bound by.
+template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, bool Causal, bool AtomicDQ>
 __global__ void __launch_bounds__(NWarps * 32)
 flash_bwd_dkdv_kernel(const BwdParams p) {
     constexpr int Threads = NWarps * 32;
     constexpr int LD = HeadDim + SMEM_PAD;
     constexpr int LDP = Br + SMEM_PAD;        // rows of P^T and dS^T
-    constexpr int WK = Bc / 16;               // warps along keys
+    constexpr int WK = Bc / (16 * KM);        // warps along keys
     constexpr int WQ = NWarps / WK;           // ... along queries (S^T) and head dim (dK, dV)
     constexpr int QW = Br / WQ;               // queries of a warp's S^T slice
     constexpr int DW = HeadDim / WQ;          // head-dim columns of a warp's dK/dV slice
-    constexpr int RT = Br / 16;               // dQ: 16-row tiles ...
+    constexpr int RT = Br / (16 * KM);        // dQ: row tiles of 16*KM rows ...
     constexpr int CS = NWarps / RT;           // ... times column splits
     constexpr int CW = HeadDim / CS;          // dQ columns of a warp
     constexpr int CH = dq_chunk(CW);
@@ -101,7 +103,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const int col0 = blockIdx.x * Bc;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int kw = warp % WK, qw = warp / WK;
+    const int qw = warp / WK;
+    const int key0 = (warp % WK) * 16 * KM;   // the warp's first key in the block
     const bool vec_ok = p.vec_ok != 0;
     const float scale_log2 = p.scale_log2;
 
@@ -139,11 +142,13 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     if (cur.hq < p.group) prefetch(cur);
     cp_async_commit();
 
-    float dk[DW / 8][4], dv[DW / 8][4];
+    float dk[KM][DW / 8][4], dv[KM][DW / 8][4];
 #pragma unroll
-    for (int i = 0; i < DW / 8; ++i)
+    for (int km = 0; km < KM; ++km)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) { dk[i][e] = 0.f; dv[i][e] = 0.f; }
+        for (int i = 0; i < DW / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { dk[km][i][e] = 0.f; dv[km][i][e] = 0.f; }
 
     while (cur.hq < p.group) {
         const int h = hk * p.group + cur.hq;
@@ -153,28 +158,36 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         cp_async_wait<0>();
         __syncthreads();   // Q, dO, lse, D of this step have landed; last step's dQ reads are done
 
-        // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x QW queries.
-        float st[QW / 8][4], dpt[QW / 8][4];
+        // S^T = K Q^T and dP^T = V dO^T for the warp's 16*KM keys x QW queries.
+        float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
 #pragma unroll
-        for (int i = 0; i < QW / 8; ++i)
+        for (int km = 0; km < KM; ++km)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) { st[i][e] = 0.f; dpt[i][e] = 0.f; }
+            for (int i = 0; i < QW / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) { st[km][i][e] = 0.f; dpt[km][i][e] = 0.f; }
 #pragma unroll
         for (int ks = 0; ks < HeadDim / 16; ++ks) {
-            u32 ak[4], av[4];
-            const int a_off = ((kw * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8) * 2;
-            ldmatrix_x4(ak, sKa + a_off);
-            ldmatrix_x4(av, sVa + a_off);
+            u32 ak[KM][4], av[KM][4];
+#pragma unroll
+            for (int km = 0; km < KM; ++km) {
+                const int a_off = ((key0 + km * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8) * 2;
+                ldmatrix_x4(ak[km], sKa + a_off);
+                ldmatrix_x4(av[km], sVa + a_off);
+            }
 #pragma unroll
             for (int np = 0; np < QW / 16; ++np) {
                 const int b_off = ((qw * QW + np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + ks * 16 + ((lane >> 3) & 1) * 8) * 2;
                 u32 bq[4], bo[4];
                 ldmatrix_x4(bq, sQa + b_off);
                 ldmatrix_x4(bo, sdOa + b_off);
-                mma_16816<Elem>(st[2 * np], ak, bq[0], bq[1]);
-                mma_16816<Elem>(st[2 * np + 1], ak, bq[2], bq[3]);
-                mma_16816<Elem>(dpt[2 * np], av, bo[0], bo[1]);
-                mma_16816<Elem>(dpt[2 * np + 1], av, bo[2], bo[3]);
+#pragma unroll
+                for (int km = 0; km < KM; ++km) {
+                    mma_16816<Elem>(st[km][2 * np], ak[km], bq[0], bq[1]);
+                    mma_16816<Elem>(st[km][2 * np + 1], ak[km], bq[2], bq[3]);
+                    mma_16816<Elem>(dpt[km][2 * np], av[km], bo[0], bo[1]);
+                    mma_16816<Elem>(dpt[km][2 * np + 1], av[km], bo[2], bo[3]);
+                }
             }
         }
 
@@ -183,45 +196,51 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         // block's. (Keeping P^T in registers instead spills at head dim 128.)
         constexpr bool OwnRows = WQ == 1;
 #pragma unroll
+        for (int km = 0; km < KM; ++km)
+#pragma unroll
         for (int nt = 0; nt < QW / 8; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qi = qw * QW + nt * 8 + 2 * t + (e & 1);     // query within the block
-                const int key = col0 + kw * 16 + g + (e >= 2 ? 8 : 0);
-                float pv = fast_exp2(fmaf(st[nt][e], scale_log2, -sLse[qi]));
+                const int key = col0 + key0 + km * 16 + g + (e >= 2 ? 8 : 0);
+                float pv = fast_exp2(fmaf(st[km][nt][e], scale_log2, -sLse[qi]));
                 if (masked && key >= key_end<Causal>(m0 + qi, p.seqlen_q, p.seqlen_k)) pv = 0.f;
-                st[nt][e] = pv;
-                dpt[nt][e] = pv * (dpt[nt][e] - sD[qi]);
+                st[km][nt][e] = pv;
+                dpt[km][nt][e] = pv * (dpt[km][nt][e] - sD[qi]);
             }
-            const u32 p_lo = pack2<Elem>(st[nt][0], st[nt][1]), p_hi = pack2<Elem>(st[nt][2], st[nt][3]);
-            const u32 ds_lo = pack2<Elem>(dpt[nt][0], dpt[nt][1]), ds_hi = pack2<Elem>(dpt[nt][2], dpt[nt][3]);
             const int c = qw * QW + nt * 8 + 2 * t;
-            const int r = kw * 16 + g;
-            *reinterpret_cast<u32*>(sPt + r * LDP + c) = p_lo;
-            *reinterpret_cast<u32*>(sPt + (r + 8) * LDP + c) = p_hi;
-            *reinterpret_cast<u32*>(sdSt + r * LDP + c) = ds_lo;
-            *reinterpret_cast<u32*>(sdSt + (r + 8) * LDP + c) = ds_hi;
+            const int r = key0 + km * 16 + g;
+            *reinterpret_cast<u32*>(sPt + r * LDP + c) = pack2<Elem>(st[km][nt][0], st[km][nt][1]);
+            *reinterpret_cast<u32*>(sPt + (r + 8) * LDP + c) = pack2<Elem>(st[km][nt][2], st[km][nt][3]);
+            *reinterpret_cast<u32*>(sdSt + r * LDP + c) = pack2<Elem>(dpt[km][nt][0], dpt[km][nt][1]);
+            *reinterpret_cast<u32*>(sdSt + (r + 8) * LDP + c) = pack2<Elem>(dpt[km][nt][2], dpt[km][nt][3]);
         }
         if constexpr (OwnRows) __syncwarp();
         else __syncthreads();   // P^T and dS^T of the whole block are in shared memory
 
-        // dV += P^T dO and dK += dS^T Q for the warp's 16 keys x DW columns.
+        // dV += P^T dO and dK += dS^T Q for the warp's 16*KM keys x DW columns.
 #pragma unroll
         for (int kk = 0; kk < Br / 16; ++kk) {
-            u32 ap[4], ads[4];
-            const int a_off = ((kw * 16 + (lane & 15)) * LDP + kk * 16 + (lane >> 4) * 8) * 2;
-            ldmatrix_x4(ap, sPta + a_off);
-            ldmatrix_x4(ads, sdSta + a_off);
+            u32 ap[KM][4], ads[KM][4];
+#pragma unroll
+            for (int km = 0; km < KM; ++km) {
+                const int a_off = ((key0 + km * 16 + (lane & 15)) * LDP + kk * 16 + (lane >> 4) * 8) * 2;
+                ldmatrix_x4(ap[km], sPta + a_off);
+                ldmatrix_x4(ads[km], sdSta + a_off);
+            }
 #pragma unroll
             for (int dp = 0; dp < DW / 16; ++dp) {
                 const int b_off = ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + qw * DW + dp * 16 + (lane >> 4) * 8) * 2;
                 u32 bo[4], bq[4];
                 ldmatrix_x4_trans(bo, sdOa + b_off);
                 ldmatrix_x4_trans(bq, sQa + b_off);
-                mma_16816<Elem>(dv[2 * dp], ap, bo[0], bo[1]);
-                mma_16816<Elem>(dv[2 * dp + 1], ap, bo[2], bo[3]);
-                mma_16816<Elem>(dk[2 * dp], ads, bq[0], bq[1]);
-                mma_16816<Elem>(dk[2 * dp + 1], ads, bq[2], bq[3]);
+#pragma unroll
+                for (int km = 0; km < KM; ++km) {
+                    mma_16816<Elem>(dv[km][2 * dp], ap[km], bo[0], bo[1]);
+                    mma_16816<Elem>(dv[km][2 * dp + 1], ap[km], bo[2], bo[3]);
+                    mma_16816<Elem>(dk[km][2 * dp], ads[km], bq[0], bq[1]);
+                    mma_16816<Elem>(dk[km][2 * dp + 1], ads[km], bq[2], bq[3]);
+                }
             }
         }
 
@@ -229,37 +248,46 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             __syncthreads();   // dS^T is complete, and every warp is done with Q and dO: fetch the next step's
             if (next.hq < p.group) prefetch(next);
             cp_async_commit();
-            // dQ (Br x HeadDim) += dS K, the warp's 16 rows x CW columns, CH at a time,
+            // dQ (Br x HeadDim) += dS K, the warp's 16*KM rows x CW columns, CH at a time,
             // added into the fp32 buffer (scaled in bwd_convert_dq_kernel).
-            const int rt = warp % RT, cs = warp / RT;
+            const int row_w = (warp % RT) * 16 * KM, cs = warp / RT;
 #pragma unroll 1
             for (int c0 = cs * CW; c0 < (cs + 1) * CW; c0 += CH) {
-                float acc[CH / 8][4];
+                float acc[KM][CH / 8][4];
 #pragma unroll
-                for (int i = 0; i < CH / 8; ++i)
+                for (int km = 0; km < KM; ++km)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+                    for (int i = 0; i < CH / 8; ++i)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[km][i][e] = 0.f;
 #pragma unroll
                 for (int kk = 0; kk < Bc / 16; ++kk) {
-                    u32 a[4];   // dS (queries x keys) read transposed from dS^T
-                    ldmatrix_x4_trans(a, sdSta + ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * LDP + rt * 16 + ((lane >> 3) & 1) * 8) * 2);
+                    u32 a[KM][4];   // dS (queries x keys) read transposed from dS^T
+#pragma unroll
+                    for (int km = 0; km < KM; ++km)
+                        ldmatrix_x4_trans(a[km], sdSta + ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * LDP + row_w + km * 16 + ((lane >> 3) & 1) * 8) * 2);
 #pragma unroll
                     for (int dp = 0; dp < CH / 16; ++dp) {
                         u32 bk[4];
                         ldmatrix_x4_trans(bk, sKa + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + c0 + dp * 16 + (lane >> 4) * 8) * 2);
-                        mma_16816<Elem>(acc[2 * dp], a, bk[0], bk[1]);
-                        mma_16816<Elem>(acc[2 * dp + 1], a, bk[2], bk[3]);
+#pragma unroll
+                        for (int km = 0; km < KM; ++km) {
+                            mma_16816<Elem>(acc[km][2 * dp], a[km], bk[0], bk[1]);
+                            mma_16816<Elem>(acc[km][2 * dp + 1], a[km], bk[2], bk[3]);
+                        }
                     }
                 }
+#pragma unroll
+                for (int km = 0; km < KM; ++km)
 #pragma unroll
                 for (int i = 0; i < CH / 8; ++i)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int row = m0 + rt * 16 + g + (e >= 2 ? 8 : 0);
+                        const int row = m0 + row_w + km * 16 + g + (e >= 2 ? 8 : 0);
                         const int col = c0 + i * 8 + 2 * t + (e & 1);
                         if (row < p.seqlen_q && col < p.headdim)
                             atomicAdd(p.dq_accum + ((static_cast<index_t>(b) * p.seqlen_q + row) * p.nheads + h) * p.headdim + col,
-                                      acc[i][e]);
+                                      acc[km][i][e]);
                     }
             }
         } else {
@@ -275,12 +303,14 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     __syncthreads();
     const float scale = static_cast<float>(p.scale);
 #pragma unroll
+    for (int km = 0; km < KM; ++km)
+#pragma unroll
     for (int i = 0; i < DW / 8; ++i) {
-        const int r = kw * 16 + g, c = qw * DW + i * 8 + 2 * t;
-        *reinterpret_cast<u32*>(sK + r * LD + c) = pack2<Elem>(dk[i][0] * scale, dk[i][1] * scale);
-        *reinterpret_cast<u32*>(sK + (r + 8) * LD + c) = pack2<Elem>(dk[i][2] * scale, dk[i][3] * scale);
-        *reinterpret_cast<u32*>(sV + r * LD + c) = pack2<Elem>(dv[i][0], dv[i][1]);
-        *reinterpret_cast<u32*>(sV + (r + 8) * LD + c) = pack2<Elem>(dv[i][2], dv[i][3]);
+        const int r = key0 + km * 16 + g, c = qw * DW + i * 8 + 2 * t;
+        *reinterpret_cast<u32*>(sK + r * LD + c) = pack2<Elem>(dk[km][i][0] * scale, dk[km][i][1] * scale);
+        *reinterpret_cast<u32*>(sK + (r + 8) * LD + c) = pack2<Elem>(dk[km][i][2] * scale, dk[km][i][3] * scale);
+        *reinterpret_cast<u32*>(sV + r * LD + c) = pack2<Elem>(dv[km][i][0], dv[km][i][1]);
+        *reinterpret_cast<u32*>(sV + (r + 8) * LD + c) = pack2<Elem>(dv[km][i][2], dv[km][i][3]);
     }
     __syncthreads();
     store_tile<Bc, HeadDim, Threads>(sK, row_ptr<u16>(p.dk, b, hk, col0), p.dk.row_stride,

@@ -47,6 +47,7 @@ class BwdTile:
     br: int      # query rows per iteration
     warps: int
     atomic_only: bool = False   # spills in the deterministic variant (no dQ atomics)
+    km: int = 1  # 16-row slices of keys (and dQ rows) per warp
 
     def smem_bytes(self, hd):
         tiles = (2 * self.bc + 2 * self.br) * (hd + SMEM_PAD) * 2      # K, V, Q, dO
@@ -77,10 +78,10 @@ _FWD = {
 }
 _BWD = {
     32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
-    64: [BwdTile(128, 128, 8, atomic_only=True), BwdTile(128, 64, 8), BwdTile(64, 64, 8),
-         BwdTile(64, 64, 4)],
+    64: [BwdTile(128, 128, 8, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
     96: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
-    128: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
+    128: [BwdTile(128, 64, 8, atomic_only=True, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8),
+          BwdTile(64, 32, 4)],
     160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     192: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     224: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
