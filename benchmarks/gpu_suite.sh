@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# The GPU job: kernel warm-up, tests, dense and block-sparse benchmarks. Run from the repo
-# root on a GPU machine:
+# The GPU job: kernel warm-up, tests, the comparison benchmark (python -m cupyflash bench) and
+# the block-sparse benchmark. Run from the repo root on a GPU machine:
 #
 #   bash benchmarks/gpu_suite.sh            # everything
 #   bash benchmarks/gpu_suite.sh quick      # tests without the seqlen-2048 cases, bench --quick
 #   SUITE_TESTS="tests/test_gpu_dense.py -k fwd" bash benchmarks/gpu_suite.sh
 #
 # Results go to $OUT (default ./gpu_out), eight files at most: prewarm.log, gpu_tests.log,
-# gpu_tests.xml, bench.log, bench_dense.json, bench_sparse.log, bench_sparse.json,
+# gpu_tests.xml, bench.log (both benchmarks), bench.json, bench.png, bench_sparse.json,
 # cupy_cache.tar.gz. The NVRTC cache lives in ./.cupy_cache (git-ignored); carry it to the
-# next machine to skip compiling.
+# next machine to skip compiling. The pytest-benchmark suite (pytest benchmarks/) is not run
+# here: it measures the same things, case by case, for pytest-benchmark's JSON.
 # Env: PYTHON (default python3), SUITE_TESTS (pytest arguments, shell-quoted),
 # PREWARM=0 to skip the parallel compile, PREWARM_JOBS (default: CPU count),
-# SKIP_DENSE_BENCH=1 / SKIP_SPARSE_BENCH=1 to skip the dense / block-sparse benchmark.
+# SKIP_DENSE_BENCH=1 / SKIP_SPARSE_BENCH=1 to skip the comparison / block-sparse benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -116,20 +117,24 @@ SECONDS=0
 TEST_RC=${PIPESTATUS[0]}
 echo "tests took ${SECONDS} s (exit $TEST_RC)"
 
-# 3. Benchmarks: dense, then block-sparse.
-BENCH_ARGS=(--out "$OUT")
-[ "$MODE" = quick ] && BENCH_ARGS+=(--quick)
+# 3. Benchmarks: the comparison table and figure, then block-sparse; one log for both.
+QUICK=()
+[ "$MODE" = quick ] && QUICK=(--quick)
+: > "$OUT/bench.log"
 BENCH_RC=0
 if [ "${SKIP_DENSE_BENCH:-0}" != 1 ]; then
     SECONDS=0
-    "$PY" benchmarks/bench_dense.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log"
+    "$PY" -m cupyflash bench ${QUICK[@]+"${QUICK[@]}"} --json "$OUT/bench.json" \
+        --plot "$OUT/bench.png" 2>&1 | tee -a "$OUT/bench.log"
     BENCH_RC=${PIPESTATUS[0]}
-    echo "dense benchmark took ${SECONDS} s (exit $BENCH_RC)"
+    echo "comparison benchmark took ${SECONDS} s (exit $BENCH_RC)"
 fi
 SPARSE_RC=0
 if [ "${SKIP_SPARSE_BENCH:-0}" != 1 ]; then
     SECONDS=0
-    "$PY" benchmarks/bench_sparse.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench_sparse.log"
+    echo "=== bench_sparse run ===" >> "$OUT/bench.log"
+    "$PY" benchmarks/bench_sparse.py --out "$OUT" ${QUICK[@]+"${QUICK[@]}"} 2>&1 \
+        | tee -a "$OUT/bench.log"
     SPARSE_RC=${PIPESTATUS[0]}
     echo "sparse benchmark took ${SECONDS} s (exit $SPARSE_RC)"
 fi
@@ -147,12 +152,10 @@ echo
 echo "=== summary ==="
 grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" "$OUT/gpu_tests.log" \
     | tail -n 1 || echo "no pytest summary line (exit $TEST_RC)"
-if [ "${SKIP_DENSE_BENCH:-0}" != 1 ]; then
-    sed -n '/^=== bench_dense table ===/,$p' "$OUT/bench.log" | tail -n +2
-fi
-if [ "${SKIP_SPARSE_BENCH:-0}" != 1 ]; then
+# Each table runs from its "=== ... table ===" line to the next "=== " line.
+for TABLE in bench bench_sparse; do
     echo
-    sed -n '/^=== bench_sparse table ===/,$p' "$OUT/bench_sparse.log" | tail -n +2
-fi
-echo "exit: tests $TEST_RC, dense benchmark $BENCH_RC, sparse benchmark $SPARSE_RC"
+    awk -v want="=== $TABLE table ===" '/^=== /{p = ($0 == want); next} p' "$OUT/bench.log"
+done
+echo "exit: tests $TEST_RC, comparison benchmark $BENCH_RC, sparse benchmark $SPARSE_RC"
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$SPARSE_RC" = 0 ]

@@ -3,42 +3,23 @@
     python benchmarks/tune.py --out DIR [--headdims 64 128] [--seqlen 8192]
 
 For each head dim and pass, every candidate tile replaces the table's entry in turn
-(cupyflash._config), and forward / backward are timed at bf16, 16 heads, batch x seqlen =
-16K tokens, causal and not, with bench_dense's timing (CUDA events, median, rotating inputs).
-Writes DIR/tune.json and prints a table; the notes in benchmarks/NOTES.md say what was kept.
+(cupyflash._config), and ours is timed with cupyflash._bench (bf16, 2048/headdim heads,
+batch x seqlen = 16K tokens, causal and not). Writes DIR/tune.json and prints a table; the
+notes in benchmarks/NOTES.md say what was kept.
 """
 import argparse
-import json
-import sys
 from pathlib import Path
 
-import cupy as cp
+from cupyflash import _bench, _config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_dense as bd  # noqa: E402
-from cupyflash import _config  # noqa: E402
-
-FWD = {
-    64: [_config.FwdTile(128, 64, 4), _config.FwdTile(128, 128, 4), _config.FwdTile(128, 64, 8),
-         _config.FwdTile(64, 64, 4)],
-    128: [_config.FwdTile(128, 64, 8), _config.FwdTile(128, 64, 4), _config.FwdTile(128, 32, 4),
-          _config.FwdTile(64, 64, 4)],
+B, F = _config.BwdTile, _config.FwdTile
+CANDIDATES = {
+    ("fwd", 64): [F(128, 64, 4)],
+    ("fwd", 128): [F(128, 64, 4)],
+    ("bwd", 64): [B(128, 128, 8), B(128, 128, 8, km=2), B(128, 64, 8, km=2)],
+    ("bwd", 128): [B(128, 64, 8), B(128, 64, 8, km=2), B(64, 64, 8, km=2)],
 }
-BWD = {
-    64: [_config.BwdTile(128, 64, 8), _config.BwdTile(128, 128, 8), _config.BwdTile(64, 64, 8)],
-    128: [_config.BwdTile(64, 64, 8), _config.BwdTile(128, 64, 8), _config.BwdTile(64, 64, 4),
-          _config.BwdTile(64, 128, 8), _config.BwdTile(128, 32, 8)],
-}
-
-
-def run(hd, seqlen, causal, reps):
-    bd.HEADDIM = hd
-    bd.NHEADS = 2048 // hd
-    batch = bd.TOKENS // seqlen
-    sets = bd.make_sets(batch, seqlen, seed=hd + seqlen)
-    res, _ = bd.bench_ours(sets, causal, reps, 3, 2.0)
-    f, b = bd.flops(batch, seqlen, causal)
-    return res["fwd_ms"], bd.tflops(f, res["fwd_ms"]), res["bwd_ms"], bd.tflops(b, res["bwd_ms"])
+TABLES = {"fwd": _config._FWD, "bwd": _config._BWD}
 
 
 def main():
@@ -49,32 +30,29 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     rows = []
-    for hd in args.headdims:
-        fwd0, bwd0 = list(_config._FWD[hd]), list(_config._BWD[hd])
-        for pass_, cands in (("fwd", FWD[hd]), ("bwd", BWD[hd])):
-            for t in cands:
-                _config._FWD[hd] = [t] if pass_ == "fwd" else fwd0
-                _config._BWD[hd] = [t] if pass_ == "bwd" else bwd0
-                for causal in (False, True):
-                    try:
-                        fms, ftf, bms, btf = run(hd, args.seqlen, causal, args.reps)
-                        ms, tf = (fms, ftf) if pass_ == "fwd" else (bms, btf)
-                        rows.append(dict(hd=hd, pass_=pass_, tile=repr(t), causal=causal,
-                                         ms=ms, tflops=tf))
-                    except Exception as e:   # a tile that fails to compile or launch
-                        rows.append(dict(hd=hd, pass_=pass_, tile=repr(t), causal=causal,
-                                         error=f"{type(e).__name__}: {e}"[:300]))
-                    print(rows[-1], flush=True)
-        _config._FWD[hd], _config._BWD[hd] = fwd0, bwd0
-    meta = dict(gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                date=bd.datetime.datetime.now(bd.datetime.timezone.utc).isoformat(),
-                commit=bd._git_commit(), seqlen=args.seqlen, tokens=bd.TOKENS)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    for (pass_, hd), tiles in CANDIDATES.items():
+        if hd not in args.headdims:
+            continue
+        table = TABLES[pass_]
+        kept = table[hd]
+        for t in tiles:
+            table[hd] = [t]
+            for causal in (False, True):
+                case = _bench.Case.dense(args.seqlen, hd, causal)
+                sets = _bench.input_sets(case)
+                try:
+                    row = _bench.measure(_bench.Ours(case, sets), pass_, args.reps, memory=False)
+                except Exception as e:   # a tile that fails to compile or launch
+                    row = _bench.failed_row(case, "cupyflash", pass_, e)
+                row["tile"] = repr(t)
+                rows.append(row)
+                print(_bench.progress_line(row), row["tile"], flush=True)
+        table[hd] = kept
+    _bench.write_json(Path(args.out) / "tune.json", _bench.report("tile sweep", rows))
     print("\n=== tune table ===")
     for r in rows:
-        val = f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s" if "ms" in r else r["error"][:80]
-        print(f"d={r['hd']:<4} {r['pass_']:<4} {r['tile']:<40} causal={r['causal']!s:<5} {val}")
+        val = f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s" if "ms" in r else r.get("error", "")[:80]
+        print(f"d={r['headdim']:<4} {r['pass']:<4} {r['tile']:<62} causal={r['causal']!s:<5} {val}")
 
 
 if __name__ == "__main__":

@@ -1,38 +1,26 @@
-"""Command line: ``python -m cupyflash [demo | warmup]``.
+"""Command line: ``python -m cupyflash [demo | warmup | bench]``.
 
 ``demo`` (the default) runs the forward and backward on random inputs, on the GPU when there
 is one (else on the NumPy path with small shapes), and prints time, TFLOP/s, the error against
 a float64 reference and the peak device memory. ``warmup`` compiles every kernel the tile
-table can pick on the current GPU, so that later calls start without compiling.
+table can pick on the current GPU, so that later calls start without compiling. ``bench``
+compares forward and backward TFLOP/s with every peer that is importable (naive CuPy
+attention, PyTorch SDPA's flash, cuDNN and memory-efficient backends), and fwd+bwd time and
+peak memory with naive attention, on the GPU; ``--plot`` draws TFLOP/s against seqlen.
 """
 import argparse
+import functools
 import sys
 import time
 
 import numpy as np
 
+from . import _bench
 from .api import flash_attention, flash_attention_backward
 
 GPU_SHAPE = (2, 4096, 16, 128)
 CPU_SHAPE = (1, 256, 2, 64)
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-def _cupy_with_gpu():
-    """(cupy, None) when a CUDA GPU is usable, else (None, why not)."""
-    try:
-        import cupy
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no CuPy, no driver, too old a driver, ...
-        return None, f"{type(e).__name__}: {e}"
-    return (cupy, None) if count > 0 else (None, "CUDA reports 0 devices")
-
-
-def _np_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 # --- float64 reference for one (batch, head) slice -------------------------------------
@@ -57,19 +45,7 @@ def reference_one_head(q, k, v, dout, scale, causal):
     return out, ds @ k * scale, ds.T @ q * scale, p.T @ dout
 
 
-# --- timing and memory ------------------------------------------------------------------
-
-def _time_gpu(cp, fn, repeats):
-    fn()                                        # the first call compiles
-    fn()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / repeats
-
+# --- demo -------------------------------------------------------------------------------
 
 def _time_cpu(fn, repeats):
     fn()
@@ -79,36 +55,6 @@ def _time_cpu(fn, repeats):
         fn()
         times.append(time.perf_counter() - t0)
     return 1e3 * float(np.median(times))
-
-
-def _peak_bytes(cp, fn):
-    """Peak of the bytes held from CuPy's memory pool during one call of ``fn``."""
-    class PeakMemory(cp.cuda.MemoryHook):
-        name = "cupyflash_peak_memory"
-
-        def __init__(self):
-            super().__init__()
-            self.sizes, self.current, self.peak = {}, 0, 0
-
-        def malloc_postprocess(self, **kw):
-            self.sizes[kw["mem_ptr"]] = kw["mem_size"]
-            self.current += kw["mem_size"]
-            self.peak = max(self.peak, self.current)
-
-        def free_postprocess(self, **kw):
-            self.current -= self.sizes.pop(kw["mem_ptr"], 0)
-
-    hook = PeakMemory()
-    with hook:
-        fn()
-        cp.cuda.get_current_stream().synchronize()
-    return hook.peak
-
-
-# --- demo -------------------------------------------------------------------------------
-
-def _tflops(flops, ms):
-    return flops / (ms * 1e-3) / 1e12
 
 
 def _demo_row(xp, device, dtype, shape, causal, repeats):
@@ -123,29 +69,25 @@ def _demo_row(xp, device, dtype, shape, causal, repeats):
         fwd_ms, bwd_ms = _time_cpu(fwd, repeats), _time_cpu(bwd, repeats)
         fwd_mem = bwd_mem = None
     else:
-        fwd_ms, bwd_ms = _time_gpu(xp, fwd, repeats), _time_gpu(xp, bwd, repeats)
-        fwd_mem, bwd_mem = _peak_bytes(xp, fwd), _peak_bytes(xp, bwd)
+        clock = _bench.CupyClock()
+        fwd_ms, bwd_ms = (_bench.time_calls(clock, [fn], repeats, warmup=2)["ms"]
+                          for fn in (fwd, bwd))
+        fwd_mem, bwd_mem = clock.peak_bytes(fwd), clock.peak_bytes(bwd)
     grads = bwd()
     to_host = (lambda a: a) if xp is None else xp.asnumpy    # whole arrays: plain copies
     got = [to_host(a)[0, :, 0] for a in (out, *grads)]
     ref = reference_one_head(*(a[0, :, 0] for a in host), d ** -0.5, causal)
     errs = [float(np.max(np.abs(g.astype(np.float64) - r))) for g, r in zip(got, ref)]
-    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    flops = _bench.attention_flops(b, h, s, s, d, 0.5 if causal else 1.0)
     return [device, np.dtype(dtype).name, f"({b}, {s}, {h}, {d})", str(causal),
-            f"{fwd_ms:.3f}", f"{_tflops(flops, fwd_ms):.3g}",
-            f"{bwd_ms:.3f}", f"{_tflops(2.5 * flops, bwd_ms):.3g}",
+            f"{fwd_ms:.3f}", f"{_bench.tflops(flops, fwd_ms):.3g}",
+            f"{bwd_ms:.3f}", f"{_bench.tflops(2.5 * flops, bwd_ms):.3g}",
             f"{errs[0]:.2e}", f"{max(errs[1:]):.2e}",
             "-" if fwd_mem is None else f"{fwd_mem / 2**20:.0f} / {bwd_mem / 2**20:.0f}"]
 
 
-def _print_table(header, rows):
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, ["-" * w for w in widths], *rows]:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-
-
 def demo(args):
-    cp, why = (None, "--cpu given") if args.cpu else _cupy_with_gpu()
+    cp, why = (None, "--cpu given") if args.cpu else _bench.gpu_or_reason()
     if cp is not None:
         dev = cp.cuda.Device()
         name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
@@ -160,14 +102,14 @@ def demo(args):
         dtypes = args.dtype or ["float64"]
         shape = args.shape or CPU_SHAPE
         repeats = args.repeats or 3
-    rows = [_demo_row(cp, device, _np_dtype(dt), shape, causal, repeats)
+    rows = [_demo_row(cp, device, _bench.np_dtype(dt), shape, causal, repeats)
             for dt in dtypes for causal in (False, True)]
     header = ["implementation", "dtype", "shape (b, s, h, d)", "causal", "fwd ms", "fwd TFLOP/s",
               "bwd ms", "bwd TFLOP/s", "err out", "err dq/dk/dv", "peak MiB fwd / bwd"]
-    _print_table(header, rows)
+    print(_bench.table_text(header, rows))
     print("\nFLOPs: forward 4*b*h*s*s*d (halved for causal), backward 2.5x forward.")
-    print("Times: " + ("CUDA events, mean of" if cp is not None else "median of")
-          + f" {repeats} calls after warm-up.")
+    print("Times: median of " + ("per-call CUDA-event times of " if cp is not None else "")
+          + f"{repeats} calls after warm-up.")
     print("Errors: max |x - ref| over batch 0, head 0, against a float64 reference.")
     if cp is not None:
         print("Peak MiB: device memory taken from CuPy's pool during one call "
@@ -178,7 +120,7 @@ def demo(args):
 # --- warmup -----------------------------------------------------------------------------
 
 def warmup(args):
-    cp, why = _cupy_with_gpu()
+    cp, why = _bench.gpu_or_reason()
     if cp is None:
         print(f"warmup needs a CUDA GPU; none is usable ({why})", file=sys.stderr)
         return 1
@@ -203,6 +145,68 @@ def warmup(args):
     return 0
 
 
+# --- bench ------------------------------------------------------------------------------
+
+BENCH_HEADDIMS = (64, 128)
+BENCH_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+QUICK_HEADDIMS = (128,)
+QUICK_SEQLENS = (1024, 4096, 16384)
+NAIVE_SEQLENS = (4096, 8192)     # the targets against naive attention are set here
+NAIVE_MAX_SEQLEN = 8192          # beyond, naive's seqlen^2 matrices crowd an 80 GB GPU
+
+
+def bench(args):
+    cp, why = _bench.gpu_or_reason()
+    if cp is None:
+        print(f"bench needs a CUDA GPU; none is usable ({why})", file=sys.stderr)
+        return 1
+    if args.plot:
+        try:
+            _bench.pyplot()                 # fail now, not after the run
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 2
+    headdims, seqlens = ((QUICK_HEADDIMS, QUICK_SEQLENS) if args.quick
+                         else (BENCH_HEADDIMS, BENCH_SEQLENS))
+    impls = args.impl or _bench.DENSE_IMPLS
+    log = functools.partial(print, flush=True)
+    gpu = _bench.gpu_name()
+    log(f"{gpu}: bfloat16, batch x seqlen = {_bench.TOKENS} tokens, nheads x headdim = "
+        f"{_bench.HEAD_WIDTH}; median of {args.reps} calls after {args.warmup} warm-up calls")
+    t0 = time.perf_counter()
+    rows = []
+    for d in headdims:
+        for causal in (False, True):
+            for s in seqlens:
+                use = [i for i in impls if i != "naive" or s <= NAIVE_MAX_SEQLEN]
+                rows += _bench.compare(_bench.Case.dense(s, d, causal), use, ("fwd", "bwd"),
+                                       args.reps, args.warmup, log=log)
+    if "naive" in impls:
+        for s in NAIVE_SEQLENS:
+            rows += _bench.compare(_bench.Case.dense(s, 128, False), impls, ("fwdbwd",),
+                                   args.reps, args.warmup, memory=True, log=log)
+    wall = time.perf_counter() - t0
+    _bench.add_ratios(rows)
+    if args.json:
+        doc = _bench.report("dense attention: forward (with lse), backward, forward+backward "
+                            "with peak memory, against peers", rows, quick=args.quick,
+                            reps=args.reps, warmup=args.warmup, wall_s=round(wall, 1))
+        log(f"wrote {_bench.write_json(args.json, doc)}")
+    if args.plot:
+        try:
+            _bench.plot(rows, args.plot, title=f"{gpu}, bfloat16, batch x seqlen = 16K tokens, "
+                                               f"nheads x headdim = 2048")
+            log(f"wrote {args.plot}")
+        except Exception as e:  # the table below is still worth printing
+            log(f"plot failed: {_bench.error_text(e)}")
+    log(f"\n{len(rows)} rows in {wall:.0f} s\n=== bench table ===")
+    log(_bench.format_report(rows))
+    log("FLOPs: forward 4*b*h*s*s*d (halved for causal), backward 2.5x, fwd+bwd 3.5x. "
+        "x/flash: TFLOP/s over SDPA flash's (FlashAttention 2). Peak MiB: device memory one "
+        "fwd+bwd call takes above its inputs.")
+    return 1 if any(r["impl"] == "cupyflash" and "error" in r for r in rows) else 0
+
+
 def _shape(text):
     try:
         shape = tuple(int(x) for x in text.split(","))
@@ -216,7 +220,7 @@ def _shape(text):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", metavar="{demo,warmup}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,warmup,bench}")
     p = sub.add_parser("demo", help="time forward and backward, check against float64 (default)")
     p.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
     p.add_argument("--shape", type=_shape, help="b,s,h,d (default GPU %s, CPU %s)"
@@ -230,6 +234,21 @@ def main(argv=None):
     p.add_argument("--dtype", action="append", choices=DTYPES,
                    help="only kernels of this dtype (repeat for several; default all)")
     p.set_defaults(func=warmup)
+    p = sub.add_parser("bench", help="TFLOP/s and memory against naive attention and PyTorch "
+                                     "SDPA, as a table (and a figure)")
+    p.add_argument("--quick", action="store_true",
+                   help="d=%s, seqlen %s (default d=%s, seqlen %s)" % (
+                       QUICK_HEADDIMS[0], ",".join(map(str, QUICK_SEQLENS)),
+                       " and ".join(map(str, BENCH_HEADDIMS)), ",".join(map(str, BENCH_SEQLENS))))
+    p.add_argument("--plot", metavar="FILE.png", help="draw TFLOP/s against seqlen (matplotlib)")
+    p.add_argument("--json", metavar="FILE", help="write every row, with GPU, date, commit and "
+                                                  "versions (commit real runs to "
+                                                  "benchmarks/results/)")
+    p.add_argument("--impl", action="append", choices=_bench.DENSE_IMPLS,
+                   help="only these implementations (repeatable; default all that import)")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per number (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="calls before timing (default 3)")
+    p.set_defaults(func=bench)
     args = parser.parse_args(argv or ["demo"])
     return args.func(args)
 
