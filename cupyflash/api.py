@@ -45,18 +45,29 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
     Returns
     -------
     out : array like q (same kind, device and dtype), or ``(out, lse)``.
+
+    Notes
+    -----
+    Arrays of other frameworks are read in place through DLPack and the results are handed
+    back the same way, without copies. The kernels run on the inputs' GPU and are queued on
+    the caller's current stream: PyTorch's current stream when q is a PyTorch tensor, else
+    CuPy's current stream (JAX orders its work against ours through DLPack). Nothing
+    synchronizes the host. Host and device arrays cannot be mixed in one call; device arrays
+    of different frameworks on one GPU can, and the results take q's kind. The same holds for
+    ``flash_attention_backward``.
     """
     (q, k, v), kind, xp = _arrays.as_backend((q, k, v), ("q", "k", "v"))
     _validate.check_forward(q, k, v, softmax_scale)
     causal = _check_mask(block_mask, q, k, causal)
     scale = _scale(softmax_scale, q.shape[-1])
-    if xp is np:
-        from . import _numpy_backend
-        out, lse = _numpy_backend.forward(q, k, v, scale, causal, block_mask)
-    else:
-        out, lse = _forward_gpu(q, k, v, scale, causal, block_mask)
-    out = _arrays.to_caller(out, kind, q)
-    return (out, _arrays.to_caller(lse, kind, q)) if return_lse else out
+    with _arrays.launch_context(kind):
+        if xp is np:
+            from . import _numpy_backend
+            out, lse = _numpy_backend.forward(q, k, v, scale, causal, block_mask)
+        else:
+            out, lse = _forward_gpu(q, k, v, scale, causal, block_mask)
+        out = _arrays.to_caller(out, kind)
+        return (out, _arrays.to_caller(lse, kind)) if return_lse else out
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
@@ -83,13 +94,14 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     _validate.check_backward(dout, q, k, v, out, lse, softmax_scale)
     causal = _check_mask(block_mask, q, k, causal)
     scale = _scale(softmax_scale, q.shape[-1])
-    if xp is np:
-        from . import _numpy_backend
-        grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, causal, block_mask)
-    else:
-        grads = _backward_gpu(dout, q, k, v, out, lse, scale, causal, bool(deterministic),
-                              block_mask)
-    return tuple(_arrays.to_caller(g, kind, q) for g in grads)
+    with _arrays.launch_context(kind):
+        if xp is np:
+            from . import _numpy_backend
+            grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, causal, block_mask)
+        else:
+            grads = _backward_gpu(dout, q, k, v, out, lse, scale, causal, bool(deterministic),
+                                  block_mask)
+        return tuple(_arrays.to_caller(g, kind) for g in grads)
 
 
 def _check_mask(block_mask, q, k, causal):

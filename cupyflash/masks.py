@@ -220,6 +220,7 @@ class BlockMask:
         (self.kv_indices, self.kv_counts, self.kv_partial,
          self.q_indices, self.q_counts, self.q_partial) = (_read_only(a) for a in lists)
         self._tile_cache = {(block_q, block_k, self.causal, "numpy", None): lists}
+        self._tile_ready = {}   # device lists: the event after their host-to-device copy
 
     @classmethod
     def from_dense(cls, block_mask_bool, block_size=128, *, seqlen_q, seqlen_k, causal=False):
@@ -374,9 +375,16 @@ class BlockMask:
             host = self._tile_cache.get(host_key)
             if host is None:
                 host = self._tile_cache[host_key] = self._lists(tile_q, tile_k, causal)
-            lists = host if xp_name == "numpy" else TileLists(
-                *(xp.ascontiguousarray(xp.asarray(a)) for a in host))
+            if xp_name == "numpy":
+                lists = host
+            else:
+                lists = TileLists(*(xp.ascontiguousarray(xp.asarray(a)) for a in host))
+                # The copies were queued on this call's stream; later calls may run on others.
+                self._tile_ready[key] = xp.cuda.get_current_stream().record()
             self._tile_cache[key] = lists
+        if key in self._tile_ready:
+            # Order this call's stream after the copies, without waiting on the host.
+            xp.cuda.get_current_stream().wait_event(self._tile_ready[key])
         return lists
 
 

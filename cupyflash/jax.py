@@ -1,0 +1,78 @@
+"""JAX gradients for cupyflash: ``flash_attention`` with ``jax.custom_vjp``, eager mode only.
+
+``import cupyflash.jax`` needs JAX; ``import cupyflash`` never imports this module.
+
+What works: calling it on concrete JAX arrays and differentiating it with ``jax.grad``,
+``jax.vjp`` and ``jax.value_and_grad`` outside ``jax.jit``. GPU arrays are read in place
+through DLPack, the kernels run on the array's GPU, and the results come back as JAX arrays
+sharing our memory. The forward keeps q, k, v, out and lse as residuals for the backward.
+
+Not supported (each raises TypeError naming the argument): ``jax.jit``, ``vmap``, ``pmap``,
+``shard_map``, ``lax.scan`` bodies, ``checkpoint``/``remat`` or anything else that hands the
+function tracers instead of concrete arrays; the kernels are not registered with XLA. Also
+not supported: forward-mode (``jax.jvp``, ``jax.jacfwd``), higher-order gradients, and
+gradients with respect to ``softmax_scale``.
+
+Streams: JAX has no user-visible stream. The kernels run on CuPy's current stream; JAX's
+pending writes of the inputs are ordered before them, and JAX's later reads of the results
+after them, by the ``stream`` argument of the DLPack exchange (no host synchronization).
+
+CPU arrays (``jax.devices("cpu")``) run cupyflash's NumPy path and come back on the same CPU
+device (a host copy is made there): useful for tests without a GPU, not for speed.
+"""
+try:
+    import jax
+except ImportError as e:           # pragma: no cover - depends on the environment
+    raise ImportError("cupyflash.jax needs JAX (pip install jax); the rest of cupyflash "
+                      "works without it") from e
+
+from . import api
+
+__all__ = ["flash_attention"]
+
+
+def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None):
+    """``cupyflash.flash_attention`` for JAX arrays, differentiable with ``jax.grad``.
+
+    Parameters
+    ----------
+    q : jax.Array, (batch, seqlen_q, nheads, headdim)
+    k, v : jax.Array, (batch, seqlen_k, nheads_k, headdim)
+        float16, bfloat16, float32 (or float64 with ``jax_enable_x64``), on one GPU (or the
+        CPU, where the NumPy path runs). Concrete arrays only: not under ``jax.jit``.
+    causal, softmax_scale, block_mask
+        As in ``cupyflash.flash_attention``; fixed for the call (not differentiated).
+
+    Returns
+    -------
+    out : jax.Array like q.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, cupyflash.jax as cfj
+    >>> q = jax.random.normal(jax.random.key(0), (1, 256, 4, 64), jnp.bfloat16)
+    >>> dq = jax.grad(lambda q: cfj.flash_attention(q, q, q).astype(jnp.float32).sum())(q)
+    """
+    return _differentiable(bool(causal), softmax_scale, block_mask)(q, k, v)
+
+
+def _differentiable(causal, softmax_scale, block_mask):
+    """A fresh custom_vjp function per call with the non-array arguments closed over (so a
+    BlockMask need not be hashable, as nondiff_argnums would require)."""
+    options = dict(causal=causal, softmax_scale=softmax_scale, block_mask=block_mask)
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return api.flash_attention(q, k, v, **options)
+
+    def forward(q, k, v):
+        out, lse = api.flash_attention(q, k, v, return_lse=True, **options)
+        return out, (q, k, v, out, lse)
+
+    def backward(residuals, dout):
+        q, k, v, out, lse = residuals
+        dq, dk, dv = api.flash_attention_backward(dout, q, k, v, out, lse, **options)
+        return dq, dk, dv
+
+    attention.defvjp(forward, backward)
+    return attention

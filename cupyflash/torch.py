@@ -1,0 +1,78 @@
+"""PyTorch autograd for cupyflash: ``flash_attention`` as a ``torch.autograd.Function``.
+
+``import cupyflash.torch`` needs PyTorch; ``import cupyflash`` never imports this module.
+
+The forward saves q, k, v, out and lse (the lse is float32, ``batch * nheads * seqlen_q``
+numbers; nothing of size ``seqlen_q x seqlen_k`` is kept) and the backward calls
+``cupyflash.flash_attention_backward``. Tensors are read in place through DLPack (any
+strides with a contiguous last dimension), and the kernels run on PyTorch's current stream
+of the tensors' device. CUDA tensors run the GPU kernels; CPU tensors run the NumPy path.
+
+Not supported: ``torch.compile`` traces around the call (a graph break: the function is not
+a registered custom op), double backward, and gradients with respect to ``softmax_scale``.
+"""
+try:
+    import torch
+except ImportError as e:           # pragma: no cover - depends on the environment
+    raise ImportError("cupyflash.torch needs PyTorch (pip install torch); the rest of "
+                      "cupyflash works without it") from e
+
+from . import api
+
+__all__ = ["flash_attention", "FlashAttentionFunction"]
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """``apply(q, k, v, causal, softmax_scale, block_mask)`` -> out, differentiable in q, k, v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, block_mask):
+        out, lse = api.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                       block_mask=block_mask, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.softmax_scale, ctx.block_mask = causal, softmax_scale, block_mask
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        # Autograd may hand a broadcast gradient (e.g. of out.sum(), all strides 0); the
+        # kernels read any strides but need the last dimension contiguous.
+        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = api.flash_attention_backward(
+            dout, q, k, v, out, lse, causal=ctx.causal, softmax_scale=ctx.softmax_scale,
+            block_mask=ctx.block_mask)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=None):
+    """``cupyflash.flash_attention`` for PyTorch tensors, with autograd.
+
+    Parameters
+    ----------
+    q : torch.Tensor, (batch, seqlen_q, nheads, headdim)
+    k, v : torch.Tensor, (batch, seqlen_k, nheads_k, headdim)
+        float16, bfloat16, float32 or float64, on one CUDA device (or all on the CPU, where
+        the NumPy path runs). ``nheads % nheads_k == 0`` (GQA/MQA). Note the layout:
+        ``torch.nn.functional.scaled_dot_product_attention`` takes (batch, nheads, seqlen,
+        headdim); pass ``x.transpose(1, 2)`` of such tensors (read in place, no copy).
+    causal, softmax_scale, block_mask
+        As in ``cupyflash.flash_attention`` (causal is aligned bottom-right when
+        ``seqlen_q != seqlen_k``).
+
+    Returns
+    -------
+    out : torch.Tensor like q. ``out.backward(...)`` gives q.grad, k.grad and v.grad (k and v
+        summed over the query heads of each group).
+
+    Examples
+    --------
+    >>> import torch, cupyflash.torch as cft
+    >>> q = torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.bfloat16,
+    ...                 requires_grad=True)
+    >>> out = cft.flash_attention(q, q, q, causal=True)
+    >>> out.float().square().sum().backward()
+    """
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), softmax_scale, block_mask)
