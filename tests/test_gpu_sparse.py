@@ -11,14 +11,10 @@ Every builder of ``cupyflash.masks`` is covered, with sequence tails inside part
 and mixed, per-head masks, GQA/MQA, causal calls, rows and key columns that see nothing, the
 deterministic backward, and an all-kept mask against the dense kernels.
 """
-import math
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-
-import ml_dtypes
 
 cp = pytest.importorskip("cupy")
 
@@ -26,26 +22,19 @@ import cupyflash as cf  # noqa: E402
 from cupyflash import masks  # noqa: E402
 
 try:
-    from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
-                           attention_ref, attention_ref_backward, random_inputs)
+    from gpu_checks import (DTYPES, HALF, assert_bit_identical_grads,  # noqa: E402
+                            assert_rows_without_keys, has_nan, make_inputs, params,
+                            run_and_check, seed_of, wide)
 except ImportError:
-    from tests.reference import (assert_rule, attention_naive,  # noqa: E402
-                                 attention_naive_backward, attention_ref, attention_ref_backward,
-                                 random_inputs)
+    from tests.gpu_checks import (DTYPES, HALF, assert_bit_identical_grads,  # noqa: E402
+                                  assert_rows_without_keys, has_nan, make_inputs, params,
+                                  run_and_check, seed_of, wide)
 
 pytestmark = pytest.mark.gpu
-
-DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16),
-          "fp32": np.dtype(np.float32), "fp64": np.dtype(np.float64)}
-HALF = ("bf16", "fp16")
 
 # Tails inside partial blocks on both sides, seqlen_q != seqlen_k both ways, and one even pair.
 SEQLEN_PAIRS = ((1000, 1000), (777, 1000), (1000, 777), (1024, 1024))
 BLOCK_SIZES = (128, 64, (64, 128), (128, 64))
-
-FWD_FACTOR, BWD_FACTOR = 2, 3
-LSE_RTOL = {"bf16": 1e-4, "fp16": 1e-4, "fp32": 1e-5, "fp64": 1e-10}
-FP64_RTOL = 1e-10
 
 # Builder parameters: windows that are not multiples of the block size, so that the band
 # cuts blocks; strides and global blocks small enough to leave most blocks out at ~1000 tokens.
@@ -55,12 +44,6 @@ GLOBAL_BLOCKS = 1
 RANDOM_BLOCKS = 2
 RANDOM_DENSITY = 0.4
 GRID_DENSITY = 0.5
-
-
-def _fp32_rtol(sq, sk):
-    # As in test_gpu_dense.py: fp32 round-off grows like sqrt(reduction length); still ~100x
-    # below what TF32 would give.
-    return 1e-5 * max(1.0, math.sqrt(max(sq, sk) / 1024))
 
 
 @dataclass(frozen=True)
@@ -85,15 +68,6 @@ class Case:
         per_head = f"-mask{self.mask_heads}heads" if self.mask_heads > 1 else ""
         return (f"{self.pattern}-{self.dtype}-b{self.batch}-{heads}-q{self.sq}-k{self.sk}-"
                 f"d{self.d}-bs{block}{per_head}-{'causal' if self.causal else 'full'}")
-
-
-def _params(cases):
-    return [pytest.param(c, id=c.id) for c in cases]
-
-
-def _seed(request):
-    """A different, reproducible seed for every test case."""
-    return zlib.crc32(request.node.nodeid.encode())
 
 
 def _block_pair(block):
@@ -138,111 +112,12 @@ def _mask(case, seed):
     return mask
 
 
-def _inputs(case, seed):
-    dtype = DTYPES[case.dtype]
-    shape_q = (case.batch, case.sq, case.nheads, case.d)
-    shape_kv = (case.batch, case.sk, case.nheads_k, case.d)
-    q, k, v = random_inputs(cp, shape_q, shape_kv, dtype, seed)
-    # random_inputs draws q, k, v from seed, seed + 1, seed + 2: dout takes seed + 3.
-    dout = random_inputs(cp, shape_q, shape_q, dtype, seed + 3)[0]
-    return q, k, v, dout
-
-
-def _wide(a):
-    return a.astype(cp.float64)
-
-
-def _has_nan(a):
-    return bool(cp.isnan(_wide(a)).any())
-
-
-def _first(result):
-    return result[0] if isinstance(result, tuple) else result
-
-
-def _assert_tight(name, got, ref, rtol, magnitude=None):
-    got, ref = _wide(got), _wide(cp.asarray(ref))
-    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
-    assert not bool(cp.isnan(got).any()), f"{name} has NaN"
-    err = float(cp.abs(got - ref).max())
-    top = max(float(cp.abs(ref).max()) if magnitude is None else magnitude, 1e-30)
-    assert err <= rtol * top, \
-        f"{name}: max error {err:.3e} > {rtol:.1e} * max|ref| ({top:.3e}), ratio {err / top:.2e}"
-
-
-def _assert_lse(lse, ref_lse, dtype_name):
-    expected = np.float64 if dtype_name == "fp64" else np.float32
-    assert lse.dtype == expected, f"lse dtype {lse.dtype}, expected {np.dtype(expected)}"
-    lse, ref = _wide(lse), _wide(cp.asarray(ref_lse))
-    assert lse.shape == ref.shape, f"lse shape {lse.shape}, expected {ref.shape}"
-    assert not bool(cp.isnan(lse).any()), "lse has NaN"
-    empty = cp.isneginf(ref)
-    assert bool((cp.isneginf(lse) == empty).all()), "lse is -inf exactly on the rows without keys"
-    seen = ~empty
-    if not bool(seen.any()):
-        return
-    lse, ref = lse[seen], ref[seen]
-    err = cp.abs(lse - ref)
-    bound = LSE_RTOL[dtype_name] * cp.maximum(cp.abs(ref), 1.0)
-    worst = float((err / bound).max())
-    assert worst <= 1.0, (f"lse: error up to {worst:.2f}x the bound "
-                          f"{LSE_RTOL[dtype_name]:.0e} * max(|lse|, 1); "
-                          f"max abs error {float(err.max()):.3e}")
-
-
-def _check_forward(case, q, k, v, out, lse, scale, elem):
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (case.batch, case.nheads, case.sq)
-    ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=elem)
-    if case.dtype in HALF:
-        naive = _first(attention_naive(q, k, v, scale, case.causal, q.dtype, mask=elem))
-        assert not _has_nan(out), "out has NaN"
-        assert_rule("out", out, ref_out, naive, FWD_FACTOR)
-    else:
-        rtol = _fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else FP64_RTOL
-        _assert_tight("out", out, ref_out, rtol)
-    _assert_lse(lse, ref_lse, case.dtype)
-
-
-def _check_backward(case, dout, q, k, v, grads, scale, elem):
-    refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=elem)
-    # One scale for the three gradients (see test_gpu_dense.py): a gradient that cancels to
-    # 0 (dq of a row that sees one key, dk/dv of keys no query sees) has none of its own.
-    magnitude = max(float(cp.abs(_wide(cp.asarray(r))).max()) for r in refs)
-    for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-        assert g.shape == like.shape and g.dtype == like.dtype, \
-            f"{name}: {g.shape} {g.dtype}, expected {like.shape} {like.dtype}"
-    if case.dtype in HALF:
-        naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype, mask=elem)
-        for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
-            assert not _has_nan(g), f"{name} has NaN"
-            assert_rule(name, g, r, n, BWD_FACTOR, magnitude)
-    else:
-        rtol = _fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else FP64_RTOL
-        for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-            _assert_tight(name, g, r, rtol, magnitude)
-
-
-def _run_and_check(case, mask, q, k, v, dout, deterministic=False):
-    """Forward and backward with ``block_mask=mask``, each checked against the reference
-    under the element mask ``mask.to_dense()``. Returns out, lse, (dq, dk, dv)."""
-    scale = case.d ** -0.5
-    elem = cp.asarray(mask.to_dense())
-    out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
-                                  block_mask=mask, return_lse=True)
-    _check_forward(case, q, k, v, out, lse, scale, elem)
-    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
-                                        softmax_scale=scale, block_mask=mask,
-                                        deterministic=deterministic)
-    _check_backward(case, dout, q, k, v, grads, scale, elem)
-    return out, lse, grads
-
-
 def _check_case(case, request, deterministic=False):
-    seed = _seed(request)
+    seed = seed_of(request)
     mask = _mask(case, seed)
-    q, k, v, dout = _inputs(case, seed)
-    return mask, (q, k, v, dout), _run_and_check(case, mask, q, k, v, dout, deterministic)
+    q, k, v, dout = make_inputs(case, seed)
+    return mask, (q, k, v, dout), run_and_check(case, q, k, v, dout, deterministic,
+                                                block_mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +136,7 @@ def _builder_cases():
     return cases
 
 
-@pytest.mark.parametrize("case", _params(_builder_cases()))
+@pytest.mark.parametrize("case", params(_builder_cases()))
 def test_builder_masks_match_reference(case, request):
     _check_case(case, request)
 
@@ -278,7 +153,7 @@ def _block_size_cases():
     return cases
 
 
-@pytest.mark.parametrize("case", _params(_block_size_cases()))
+@pytest.mark.parametrize("case", params(_block_size_cases()))
 def test_block_sizes_from_dense_grid(case, request):
     _check_case(case, request)
 
@@ -296,7 +171,7 @@ def _per_head_cases():
     return cases
 
 
-@pytest.mark.parametrize("case", _params(_per_head_cases()))
+@pytest.mark.parametrize("case", params(_per_head_cases()))
 def test_per_head_masks(case, request):
     _check_case(case, request)
 
@@ -316,7 +191,7 @@ def _causal_cases():
     return cases
 
 
-@pytest.mark.parametrize("case", _params(_causal_cases()))
+@pytest.mark.parametrize("case", params(_causal_cases()))
 def test_causal_with_mask(case, request):
     """Bottom-right causal ANDed with the mask; with seqlen_q > seqlen_k the first rows see
     no key at all."""
@@ -339,7 +214,7 @@ def _gqa_cases():
     return cases
 
 
-@pytest.mark.parametrize("case", _params(_gqa_cases()))
+@pytest.mark.parametrize("case", params(_gqa_cases()))
 def test_grouped_heads_with_mask(case, request):
     _check_case(case, request)
 
@@ -356,12 +231,12 @@ def _empty_cases():
     return cases
 
 
-@pytest.mark.parametrize("case", _params(_empty_cases()))
+@pytest.mark.parametrize("case", params(_empty_cases()))
 def test_empty_block_rows_and_columns(case, request):
     """Block row 1 and the last (partial) block row keep no block; so do key block column 2
     and the last (partial) one. Rows without keys give out 0, lse -inf and dq 0; keys no
     query sees give dk = dv = 0; no NaN anywhere."""
-    seed = _seed(request)
+    seed = seed_of(request)
     grid = _grid(case, seed % 2**31, density=0.7)
     grid[:, 1, :] = False
     grid[:, -1, :] = False
@@ -369,8 +244,8 @@ def test_empty_block_rows_and_columns(case, request):
     grid[:, :, -1] = False
     mask = cf.BlockMask.from_dense(grid[0], block_size=case.block, seqlen_q=case.sq,
                                    seqlen_k=case.sk)
-    q, k, v, dout = _inputs(case, seed)
-    out, lse, (dq, dk, dv) = _run_and_check(case, mask, q, k, v, dout)
+    q, k, v, dout = make_inputs(case, seed)
+    out, lse, (dq, dk, dv) = run_and_check(case, q, k, v, dout, block_mask=mask)
 
     elem = mask.to_dense()[0]
     if case.causal:
@@ -383,14 +258,11 @@ def test_empty_block_rows_and_columns(case, request):
     assert empty_cols.size >= bk + (case.sk - 1) % bk + 1, "test setup: too few empty keys"
 
     for name, a in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert not _has_nan(a), f"{name} has NaN"
-    assert bool((_wide(out[:, empty_rows]) == 0).all()), "out is not 0 on rows without keys"
-    assert bool((_wide(dq[:, empty_rows]) == 0).all()), "dq is not 0 on rows without keys"
-    assert bool(cp.isneginf(lse[:, :, empty_rows]).all()), "lse is not -inf on rows without keys"
+        assert not has_nan(a), f"{name} has NaN"
     seen_rows = cp.asarray(np.flatnonzero(elem.any(axis=1)))
-    assert bool(cp.isfinite(lse[:, :, seen_rows]).all()), "lse is not finite on rows with keys"
-    assert bool((_wide(dk[:, empty_cols]) == 0).all()), "dk is not 0 on keys no query sees"
-    assert bool((_wide(dv[:, empty_cols]) == 0).all()), "dv is not 0 on keys no query sees"
+    assert_rows_without_keys(out, lse, dq, empty_rows, seen_rows)
+    assert bool((wide(dk[:, empty_cols]) == 0).all()), "dk is not 0 on keys no query sees"
+    assert bool((wide(dv[:, empty_cols]) == 0).all()), "dv is not 0 on keys no query sees"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,15 +273,13 @@ def _deterministic_cases():
             for dtype in HALF for causal in (False, True)]
 
 
-@pytest.mark.parametrize("case", _params(_deterministic_cases()))
+@pytest.mark.parametrize("case", params(_deterministic_cases()))
 def test_deterministic_backward_with_mask_is_bit_identical(case, request):
     mask, (q, k, v, dout), (out, lse, first) = _check_case(case, request, deterministic=True)
     second = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
                                          softmax_scale=case.d ** -0.5, block_mask=mask,
                                          deterministic=True)
-    for name, a, b in zip(("dq", "dk", "dv"), first, second):
-        same = bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
-        assert same, f"{name} differs between two deterministic runs"
+    assert_bit_identical_grads(first, second)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,19 +296,19 @@ def _all_kept_cases():
     return cases
 
 
-@pytest.mark.parametrize("case", _params(_all_kept_cases()))
+@pytest.mark.parametrize("case", params(_all_kept_cases()))
 def test_mask_of_all_blocks_equals_dense(case, request):
     """Every block kept: the same result as no mask. Non-causal with seqlen_k a multiple of
     the block size, the sparse kernels visit the same key blocks in the same order as the
     dense ones, so out and lse must be bit-identical."""
-    seed = _seed(request)
+    seed = seed_of(request)
     bq, bk = _block_pair(case.block)
     grid = np.ones((-(-case.sq // bq), -(-case.sk // bk)), bool)
     mask = cf.BlockMask.from_dense(grid, block_size=case.block, seqlen_q=case.sq,
                                    seqlen_k=case.sk)
     assert mask.density == 1.0
-    q, k, v, dout = _inputs(case, seed)
-    out, lse, grads = _run_and_check(case, mask, q, k, v, dout)
+    q, k, v, dout = make_inputs(case, seed)
+    out, lse, grads = run_and_check(case, q, k, v, dout, block_mask=mask)
 
     scale = case.d ** -0.5
     dense_out, dense_lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
@@ -446,7 +316,7 @@ def test_mask_of_all_blocks_equals_dense(case, request):
     if not case.causal and case.sk % bk == 0:
         assert bool((out.view(cp.uint8) == dense_out.view(cp.uint8)).all()), \
             (f"out differs from the dense kernel's (max |diff| "
-             f"{float(cp.abs(_wide(out) - _wide(dense_out)).max()):.3e})")
+             f"{float(cp.abs(wide(out) - wide(dense_out)).max()):.3e})")
         assert bool((lse == dense_lse).all()), "lse differs from the dense kernel's"
     else:
         # The tail block (partial) is visited first, so sums round differently: the sparse

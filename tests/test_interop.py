@@ -15,10 +15,8 @@ float32 and float64 are compared tightly, as in test_gpu_dense.py.
 Framework tests skip where the framework is not importable; GPU tests (marker ``gpu``) skip
 where CuPy sees no GPU.
 """
-import math
 import os
 import re
-import zlib
 from pathlib import Path
 
 # Before anything imports JAX: by default it grabs 75% of GPU memory at its first use, which
@@ -32,28 +30,20 @@ import cupyflash as cf  # noqa: E402
 from cupyflash import _arrays  # noqa: E402
 
 try:
+    from gpu_checks import BWD_FACTOR, FP64_RTOL, FWD_FACTOR, fp32_rtol, seed_of  # noqa: E402
     from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
                            attention_ref, get_xp)
 except ImportError:
+    from tests.gpu_checks import (BWD_FACTOR, FP64_RTOL, FWD_FACTOR,  # noqa: E402
+                                  fp32_rtol, seed_of)
     from tests.reference import (assert_rule, attention_naive,  # noqa: E402
                                  attention_naive_backward, attention_ref, get_xp)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-FWD_FACTOR, BWD_FACTOR = 2, 3
-FP64_RTOL = 1e-10
 HALF = ("float16", "bfloat16")
 # A long GPU job (~0.1 s) queued right before the inputs are written: if our kernels ran on
 # another stream, they would read the inputs before they exist.
 LONG_MATMUL_N, LONG_MATMUL_REPEATS = 8192, 6
-
-
-def _seed(request):
-    return zlib.crc32(request.node.nodeid.encode())
-
-
-def _fp32_rtol(sq, sk):
-    # As test_gpu_dense.py: fp32 round-off grows like sqrt(reduction length); far below TF32.
-    return 1e-5 * max(1.0, math.sqrt(max(sq, sk) / 1024))
 
 
 def _cupy():
@@ -110,7 +100,7 @@ def _assert_close(name, got, ref, naive, dtype, sq, sk, factor, magnitude=None):
     got, ref = xp.asarray(got, dtype=xp.float64), xp.asarray(ref, dtype=xp.float64)
     assert not bool(xp.isnan(got).any()), f"{name} has NaN"
     top = max(float(xp.abs(ref).max()) if magnitude is None else magnitude, 1e-30)
-    rtol = _fp32_rtol(sq, sk) if dtype == "float32" else FP64_RTOL
+    rtol = fp32_rtol(sq, sk) if dtype == "float32" else FP64_RTOL
     err = float(xp.abs(got - ref).max())
     assert err <= rtol * top, f"{name}: max error {err:.3e} > {rtol:.1e} * {top:.3e}"
 
@@ -223,14 +213,20 @@ def _check_cupy_forward(cp, q, k, v, out, causal):
     _assert_close("out", out, ref, naive, q.dtype.name, q.shape[1], k.shape[1], FWD_FACTOR)
 
 
-def _cupy_long_job(cp):
-    """Queue ~0.1 s of matmuls on CuPy's current stream (bounded values: tanh)."""
-    n = LONG_MATMUL_N
-    m = cp.random.standard_normal((n, n), dtype=cp.float32) / np.float32(n ** 0.5)
+def _long_job(tanh, m):
+    """Queue ~0.1 s of matmuls of the LONG_MATMUL_N-square matrix ``m`` on the current stream of
+    its framework (bounded values: ``tanh`` of that framework). Returns the chain's last element."""
     big = m
     for _ in range(LONG_MATMUL_REPEATS):
-        big = cp.tanh(big @ m)
+        big = tanh(big @ m)
     return big
+
+
+def _cupy_long_job(cp):
+    """Queue ~0.1 s of matmuls on CuPy's current stream."""
+    n = LONG_MATMUL_N
+    return _long_job(cp.tanh, cp.random.standard_normal((n, n), dtype=cp.float32)
+                     / np.float32(n ** 0.5))
 
 
 @pytest.mark.gpu
@@ -399,7 +395,7 @@ TORCH_CASES = (
 def test_torch_autograd_matches_sdpa_math(case, dtype, request):
     torch = _torch_cuda()
     _, b, sq, sk, h, hk, d, causal = case
-    q, k, v, dout = _torch_leaves(torch, (b, sq, h, d), (b, sk, hk, d), dtype, _seed(request))
+    q, k, v, dout = _torch_leaves(torch, (b, sq, h, d), (b, sk, hk, d), dtype, seed_of(request))
     _check_torch_autograd(torch, q, k, v, dout, causal)
 
 
@@ -424,7 +420,7 @@ def test_torch_autograd_with_block_mask_and_gqa(case, dtype, request):
     torch = _torch_cuda()
     _, sq, sk, causal, build = case
     mask = build(sq, sk)
-    q, k, v, dout = _torch_leaves(torch, (2, sq, 4, 64), (2, sk, 2, 64), dtype, _seed(request))
+    q, k, v, dout = _torch_leaves(torch, (2, sq, 4, 64), (2, sk, 2, 64), dtype, seed_of(request))
     _check_torch_autograd(torch, q, k, v, dout, causal, block_mask=mask)
 
 
@@ -478,7 +474,7 @@ def test_torch_packed_qkv_slices_are_read_in_place_and_results_are_not_copied(mo
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)
 def test_torch_dtypes_round_trip(dtype, request, monkeypatch):
     torch = _torch_cuda()
-    q, k, v, dout = _torch_leaves(torch, (1, 97, 4, 64), (1, 130, 2, 64), dtype, _seed(request))
+    q, k, v, dout = _torch_leaves(torch, (1, 97, 4, 64), (1, 130, 2, 64), dtype, seed_of(request))
     q, k, v = (x.detach() for x in (q, k, v))
     ptrs = _record_results(monkeypatch)
     out, lse = cf.flash_attention(q, k, v, return_lse=True)
@@ -507,13 +503,9 @@ def test_torch_tensors_on_gpu0_and_gpu1_stay_there():
 
 
 def _torch_long_job(torch, device):
-    """Queue ~0.1 s of matmuls on PyTorch's current stream (bounded values: tanh)."""
+    """Queue ~0.1 s of matmuls on PyTorch's current stream."""
     n = LONG_MATMUL_N
-    m = torch.randn(n, n, device=device) / n ** 0.5
-    big = m
-    for _ in range(LONG_MATMUL_REPEATS):
-        big = torch.tanh(big @ m)
-    return big
+    return _long_job(torch.tanh, torch.randn(n, n, device=device) / n ** 0.5)
 
 
 @pytest.mark.gpu
@@ -682,7 +674,7 @@ def _check_jax_grad(jax, device, dtype, shape_q, shape_kv, causal, seed):
 def test_jax_grad_matches_jnp_reference(dtype, causal, request):
     jax, device = _jax_gpu()
     _check_jax_grad(jax, device, dtype, (2, 200, 8, 64), (2, 257, 2, 64), causal,
-                    _seed(request))
+                    seed_of(request))
 
 
 def test_jax_grad_on_cpu_arrays_runs_the_numpy_path():
@@ -732,9 +724,7 @@ def test_jax_inputs_still_being_computed_are_waited_for():
     m = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.float32) / n ** 0.5,
                        device)
     m.block_until_ready()
-    big = m
-    for _ in range(LONG_MATMUL_REPEATS):
-        big = jnp.tanh(big @ m)
+    big = _long_job(jnp.tanh, m)
     # q depends on the chain's last element: it is not computed yet when we receive it.
     q = (jax.device_put(jnp.asarray(host[0]), device) + 0 * big[0, 0]).astype(jnp.float16)
     out = cf.flash_attention(q, k, v, causal=True)
