@@ -26,23 +26,15 @@ struct OnlineSoftmax {
     __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
                                            float scale_log2) {
         static_assert(2 * MT == Rows, "two accumulator rows per m16 tile");
-        constexpr int CHAINS = NT < 4 ? NT : 4;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int r = 2 * mt + hf;
-                // The row max as CHAINS independent chains, not one serial chain of NT
-                // dependent instructions: the kernel is latency bound at 8 warps per SM.
-                float part[CHAINS];
-#pragma unroll
-                for (int c = 0; c < CHAINS; ++c) part[c] = m[r];
+                float mx = m[r];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
-                    part[nt % CHAINS] = fmaxf(part[nt % CHAINS], fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
-                float mx = part[0];
-#pragma unroll
-                for (int c = 1; c < CHAINS; ++c) mx = fmaxf(mx, part[c]);
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
                 mx = quad_max(mx);
                 // A row that has seen no key yet keeps the base at 0, so exp2 gives 0, not NaN.
                 const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
