@@ -71,10 +71,8 @@ __host__ __device__ constexpr int dq_chunk(int W) {
 }
 
 // KM: 16-row slices a warp owns, of keys (S^T, dK, dV) and of queries (dQ). Two slices let a
-// warp reuse each B operand it loads from shared memory twice.
-// Stages: buffers of Q, dO, lse and D. With two, the next step's are fetched at the start of a
-// step and land under all of its math; with one, only under the dQ product.
-template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, int Stages, bool Causal, bool AtomicDQ>
+// warp reuse each B operand it loads from shared memory twice, which this pass is bound by.
+template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, bool Causal, bool AtomicDQ>
 __global__ void __launch_bounds__(NWarps * 32)
 flash_bwd_dkdv_kernel(const BwdParams p) {
     constexpr int Threads = NWarps * 32;
@@ -90,17 +88,16 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     constexpr int CH = dq_chunk(CW);
     static_assert(WK * WQ == NWarps && QW % 16 == 0 && DW % 16 == 0, "warp grid over keys x queries");
     static_assert(RT * CS == NWarps && CW % 16 == 0, "warp grid over the dQ tile");
-    static_assert(Stages == 1 || Stages == 2, "one or two Q/dO buffers");
 
-    // Shared memory: K, V, then per stage Q and dO, then P^T, dS^T, then per stage lse and D.
     extern __shared__ __align__(16) unsigned char smem[];
     u16* sK = reinterpret_cast<u16*>(smem);
     u16* sV = sK + Bc * LD;
-    u16* sQ0 = sV + Bc * LD;                  // stage s: sQ0 + s * STAGE, sdO = sQ + Br * LD
-    constexpr int STAGE = 2 * Br * LD;
-    u16* sPt = sQ0 + Stages * STAGE;
+    u16* sQ = sV + Bc * LD;
+    u16* sdO = sQ + Br * LD;
+    u16* sPt = sdO + Br * LD;
     u16* sdSt = sPt + Bc * LDP;
-    float* sStats0 = reinterpret_cast<float*>(sdSt + Bc * LDP);   // stage s: lse, then D
+    float* sLse = reinterpret_cast<float*>(sdSt + Bc * LDP);
+    float* sD = sLse + Br;
 
     const int b = blockIdx.z, hk = blockIdx.y;
     const int col0 = blockIdx.x * Bc;
@@ -111,7 +108,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const bool vec_ok = p.vec_ok != 0;
     const float scale_log2 = p.scale_log2;
 
-    const u32 sKa = smem_addr(sK), sVa = smem_addr(sV);
+    const u32 sKa = smem_addr(sK), sVa = smem_addr(sV), sQa = smem_addr(sQ), sdOa = smem_addr(sdO);
     const u32 sPta = smem_addr(sPt), sdSta = smem_addr(sdSt);
 
     load_tile<Bc, HeadDim, Threads>(sK, row_ptr<const u16>(p.k, b, hk, col0), p.k.row_stride,
@@ -132,20 +129,18 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         }
         return s;
     };
-    auto prefetch = [&](const Step& s, int buf) {   // Q, dO, lse and D of step s into stage buf
+    auto prefetch = [&](const Step& s) {   // Q, dO, lse and D of step s
         const int h = hk * p.group + s.hq;
         const int m0 = s.qb.block(s.it) * Br;
-        u16* sQ = sQ0 + buf * STAGE;
         load_tile<Br, HeadDim, Threads>(sQ, row_ptr<const u16>(p.q, b, h, m0), p.q.row_stride,
                                         p.seqlen_q - m0, p.headdim, vec_ok);
-        load_tile<Br, HeadDim, Threads>(sQ + Br * LD, row_ptr<const u16>(p.dout, b, h, m0), p.dout.row_stride,
+        load_tile<Br, HeadDim, Threads>(sdO, row_ptr<const u16>(p.dout, b, h, m0), p.dout.row_stride,
                                         p.seqlen_q - m0, p.headdim, vec_ok);
-        load_row_stats<Br>(p, sStats0 + buf * 2 * Br, sStats0 + buf * 2 * Br + Br, b, h, m0);
+        load_row_stats<Br>(p, sLse, sD, b, h, m0);
     };
     Step cur = settle(Step{0, 0, blocks_of(0)});
-    if (cur.hq < p.group) prefetch(cur, 0);
+    if (cur.hq < p.group) prefetch(cur);
     cp_async_commit();
-    int buf = 0;
 
     float dk[KM][DW / 8][4], dv[KM][DW / 8][4];
 #pragma unroll
@@ -161,14 +156,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const bool masked = cur.qb.template needs_mask<Causal>(cur.it, Br, Bc, col0, p.seqlen_q, p.seqlen_k);
         const Step next = settle(Step{cur.hq, cur.it + 1, cur.qb});
         cp_async_wait<0>();
-        __syncthreads();   // Q, dO, lse, D of this step have landed; every warp is done with the last step
-        if constexpr (Stages == 2) {
-            if (next.hq < p.group) prefetch(next, buf ^ 1);   // the stage the last step read
-            cp_async_commit();
-        }
-        const u32 sQa = smem_addr(sQ0 + buf * STAGE), sdOa = sQa + Br * LD * 2;
-        const float* sLse = sStats0 + buf * 2 * Br;
-        const float* sD = sLse + Br;
+        __syncthreads();   // Q, dO, lse, D of this step have landed; last step's dQ reads are done
 
         // S^T = K Q^T and dP^T = V dO^T for the warp's 16*KM keys x QW queries.
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
@@ -257,11 +245,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         }
 
         if constexpr (AtomicDQ) {
-            __syncthreads();   // dS^T is complete, and every warp is done with Q and dO
-            if constexpr (Stages == 1) {
-                if (next.hq < p.group) prefetch(next, 0);
-                cp_async_commit();
-            }
+            __syncthreads();   // dS^T is complete, and every warp is done with Q and dO: fetch the next step's
+            if (next.hq < p.group) prefetch(next);
+            cp_async_commit();
             // dQ (Br x HeadDim) += dS K, the warp's 16*KM rows x CW columns, CH at a time,
             // added into the fp32 buffer (scaled in bwd_convert_dq_kernel).
             const int row_w = (warp % RT) * 16 * KM, cs = warp / RT;
@@ -304,13 +290,12 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                                       acc[km][i][e]);
                     }
             }
-        } else if constexpr (Stages == 1) {
+        } else {
             __syncthreads();   // every warp is done with Q, dO, P^T and dS^T
-            if (next.hq < p.group) prefetch(next, 0);
+            if (next.hq < p.group) prefetch(next);
             cp_async_commit();
         }
         cur = next;
-        buf ^= Stages - 1;
     }
 
     // dK = scale * dS^T Q. Stage both tiles in sK / sV (no longer read), then store.

@@ -47,13 +47,12 @@ class BwdTile:
     br: int      # query rows per iteration
     warps: int
     atomic_only: bool = False   # spills in the deterministic variant (no dQ atomics)
-    km: int = 1       # 16-row slices of keys (and dQ rows) per warp
-    stages: int = 1   # buffers of Q, dO, lse and D (2: the next step's load under the math)
+    km: int = 1  # 16-row slices of keys (and dQ rows) per warp
 
     def smem_bytes(self, hd):
-        tiles = (2 * self.bc + 2 * self.br * self.stages) * (hd + SMEM_PAD) * 2   # K, V, Q, dO
-        p_ds = 2 * self.bc * (self.br + SMEM_PAD) * 2                              # P^T, dS^T
-        return tiles + p_ds + 2 * self.br * 4 * self.stages                        # lse, D rows
+        tiles = (2 * self.bc + 2 * self.br) * (hd + SMEM_PAD) * 2      # K, V, Q, dO
+        p_ds = 2 * self.bc * (self.br + SMEM_PAD) * 2                  # P^T, dS^T
+        return tiles + p_ds + 2 * self.br * 4                          # lse, D rows
 
 
 @dataclass(frozen=True)

@@ -157,8 +157,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
                          deterministic=dq_accum is None)
         if block_mask is not None:
             _q_lists(p["q_blocks"], block_mask, t.br, t.bc, causal)
-        name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
-                             causal, dq_accum is not None)
+        name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, causal,
+                             dq_accum is not None)
         _launch("bwd.cu", name, (_cdiv(sk, t.bc), hk, b), 32 * t.warps, t.smem_bytes(hd), p[()])
         if dq_accum is None:
             t = _config.tile("dq", hd, limit, *_tile_limits(block_mask))
@@ -203,8 +203,8 @@ def kernel_names(smem_limit):
                         "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal))
                 for t, atomic_dq in sorted(bwd, key=repr):
                     names["bwd.cu"].append(template_name(
-                        "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
-                        causal, atomic_dq))
+                        "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, causal,
+                        atomic_dq))
                 for t in sorted(dq, key=repr):
                     names["bwd.cu"].append(template_name(
                         "flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal))
