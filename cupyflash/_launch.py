@@ -4,6 +4,7 @@
 field for field (aligned NumPy dtypes: the C layout rules). Every launch goes to CuPy's
 current stream; nothing here synchronizes.
 """
+import functools
 import math
 
 import numpy as np
@@ -61,14 +62,28 @@ def _fill_dims(p, q, k, scale):
 
 def _smem_limit():
     import cupy
-    dev = cupy.cuda.Device()
-    return dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    return _smem_limit_of(cupy.cuda.Device().id)
 
 
-def _launch(filename, name, grid, threads, smem, params):
+@functools.lru_cache(maxsize=None)
+def _smem_limit_of(device_id):
+    import cupy
+    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(filename, name, device_id, smem):
+    """The kernel with its dynamic shared-memory limit raised once (above 48 KB a kernel
+    must opt in), not on every launch."""
     kernel = get_kernel(filename, name)
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
+    return kernel
+
+
+def _launch(filename, name, grid, threads, smem, params):
+    import cupy
+    kernel = _kernel(filename, name, cupy.cuda.Device().id, smem)
     kernel(grid, (threads,), (params,), shared_mem=smem)
 
 
@@ -132,8 +147,7 @@ def forward(q, k, v, out, lse, scale, causal, block_mask=None):
                 32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()])
 
 
-def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal, deterministic,
-             block_mask=None):
+def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal, block_mask=None):
     """Launch the backward passes. ``dq``, ``dk``, ``dv`` and ``dsum`` are preallocated;
     ``dq_accum`` is a zeroed fp32 buffer shaped like q, or None (deterministic / plain path)."""
     p = np.zeros((), BWD_PARAMS)

@@ -144,5 +144,5 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic, block_m
         use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
         dq_accum = cp.zeros(q.shape, cp.float32) if use_atomics else None
         _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
-                         deterministic, block_mask)
+                         block_mask)
     return dq, dk, dv
