@@ -12,10 +12,8 @@ from pathlib import Path
 
 from cupyflash import _bench, _config
 
-B, F = _config.BwdTile, _config.FwdTile
+B = _config.BwdTile
 CANDIDATES = {
-    ("fwd", 64): [F(128, 64, 4)],
-    ("fwd", 128): [F(128, 64, 4)],
     ("bwd", 64): [B(128, 128, 8), B(128, 128, 8, km=2), B(128, 64, 8, km=2)],
     ("bwd", 128): [B(128, 64, 8), B(128, 64, 8, km=2), B(64, 64, 8, km=2)],
 }

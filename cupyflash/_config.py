@@ -1,12 +1,29 @@
-"""The one tile-configuration table.
+"""The one tile-configuration table, and the numbers the Python side shares.
 
-Keyed by (head-dim bucket, dtype kind, pass) for the generic sm_80+ mma.sync kernels; the
+Keyed by (pass, head-dim bucket) for the fp16/bf16 sm_80+ mma.sync kernels (both 16-bit
+dtypes take the same tiles); the
 shared-memory budget of the device picks a smaller tile where the big one does not fit
 (sm_86/sm_89 have 99 KB per block, sm_80 163 KB, sm_90 227 KB). The kernels
 ``static_assert`` what they assume of these numbers (warps own 16-row slices, tiles are
 multiples of 16, ...).
 """
+import math
 from dataclasses import dataclass
+
+import numpy as np
+
+LOG2E = math.log2(math.e)
+# Positions are 32-bit in the kernels: sums such as seqlen_k + row + tile stay below this.
+SEQLEN_SUM_LIMIT = 2**31 - 256
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def lse_dtype(dtype):
+    """lse (and D) are float32, or float64 for float64 inputs."""
+    return np.float64 if dtype == np.float64 else np.float32
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEADDIM = HEAD_DIM_BUCKETS[-1]
@@ -115,7 +132,3 @@ def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK, deterministic=
             return t
     raise RuntimeError(f"no {pass_} tile for head dim {hd} fits {smem_limit} bytes of shared "
                        f"memory and {max_q} x {max_k} mask blocks")
-
-
-def all_tiles(pass_, hd):
-    return list(_TABLES[pass_][hd])

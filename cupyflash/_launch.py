@@ -5,14 +5,12 @@ field for field (aligned NumPy dtypes: the C layout rules). Every launch goes to
 current stream; nothing here synchronizes.
 """
 import functools
-import math
 
 import numpy as np
 
 from . import _config
 from ._compile import get_kernel, template_name
 
-LOG2E = math.log2(math.e)
 
 _TENSOR = [("ptr", np.uint64), ("batch_stride", np.int64), ("row_stride", np.int64),
            ("head_stride", np.int64)]
@@ -57,7 +55,7 @@ def _fill_dims(p, q, k, scale):
     p["group"] = h // k.shape[2]
     p["seqlen_q"], p["seqlen_k"], p["headdim"] = sq, k.shape[1], d
     p["scale"] = scale
-    p["scale_log2"] = scale * LOG2E
+    p["scale_log2"] = scale * _config.LOG2E
 
 
 def _smem_limit():
@@ -87,10 +85,6 @@ def _launch(filename, name, grid, threads, smem, params):
     kernel(grid, (threads,), (params,), shared_mem=smem)
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 def _generic_smem(d_bucket, itemsize):
     # K and V chunks of GENERIC_CHUNK rows, rows padded by one element against bank conflicts.
     return 2 * _config.GENERIC_CHUNK * (d_bucket + 1) * itemsize
@@ -100,25 +94,43 @@ def _tile_limits(block_mask):
     return (block_mask.block_q, block_mask.block_k) if block_mask is not None else ()
 
 
-def _fill_lists(rec, idx, count, partial, row_tile, list_tile, heads):
-    rec["idx"], rec["count"], rec["partial"] = idx.data.ptr, count.data.ptr, partial.data.ptr
-    _, rec["rows"], rec["width"] = idx.shape
-    rec["heads"] = heads
-    rec["row_tile"], rec["list_tile"] = row_tile, list_tile
-
-
-def _kv_lists(rec, block_mask, tile_q, tile_k, causal):
+def _fill_lists(p, block_mask, tile_q, tile_k, causal, kv, q):
+    """Point p's kv_blocks (``kv``) and/or q_blocks (``q``) at the mask's lists for tiles of
+    tile_q x tile_k."""
     import cupy
     tl = block_mask.tile_lists(tile_q, tile_k, causal, cupy)
-    _fill_lists(rec, tl.kv_idx, tl.kv_count, tl.kv_partial, tile_q, tile_k, block_mask.heads)
-    return tl
+    for on, field, lists, row_tile, list_tile in (
+            (kv, "kv_blocks", (tl.kv_idx, tl.kv_count, tl.kv_partial), tile_q, tile_k),
+            (q, "q_blocks", (tl.q_idx, tl.q_count, tl.q_partial), tile_k, tile_q)):
+        if on:
+            rec = p[field]
+            rec["idx"], rec["count"], rec["partial"] = (a.data.ptr for a in lists)
+            _, rec["rows"], rec["width"] = lists[0].shape
+            rec["heads"] = block_mask.heads
+            rec["row_tile"], rec["list_tile"] = row_tile, list_tile
 
 
-def _q_lists(rec, block_mask, tile_q, tile_k, causal):
+def check_supported(dtype, headdim, block_mask):
+    """Raise, before anything is allocated, where the current GPU cannot run this call:
+    fp16/bf16 need tensor cores of sm_80+, and every kernel's tile must fit its shared memory."""
     import cupy
-    tl = block_mask.tile_lists(tile_q, tile_k, causal, cupy)
-    _fill_lists(rec, tl.q_idx, tl.q_count, tl.q_partial, tile_k, tile_q, block_mask.heads)
-    return tl
+    dev = cupy.cuda.Device()
+    hd = _config.head_dim_bucket(headdim)
+    limit = _smem_limit()
+    if dtype.name in TENSOR_CORE:
+        cc = int(dev.compute_capability)
+        if cc < 80:
+            raise TypeError(f"{dtype.name} needs tensor cores of compute capability 8.0 or newer; "
+                            f"device {dev.id} is {cc // 10}.{cc % 10} (use float32)")
+        try:
+            for pass_ in ("fwd", "bwd", "dq"):
+                _config.tile(pass_, hd, limit, *_tile_limits(block_mask))
+        except RuntimeError as e:
+            raise ValueError(f"headdim {headdim} with {dtype.name}: {e}") from None
+    elif _generic_smem(hd, dtype.itemsize) > limit:
+        raise ValueError(f"headdim {headdim} with {dtype.name} needs "
+                         f"{_generic_smem(hd, dtype.itemsize)} bytes of shared memory per block; "
+                         f"device {dev.id} has {limit}")
 
 
 def forward(q, k, v, out, lse, scale, causal, block_mask=None):
@@ -136,14 +148,14 @@ def forward(q, k, v, out, lse, scale, causal, block_mask=None):
     if q.dtype.name in TENSOR_CORE:
         t = _config.tile("fwd", hd, _smem_limit(), *_tile_limits(block_mask))
         if block_mask is not None:
-            _kv_lists(p["kv_blocks"], block_mask, t.br, t.bc, causal)
+            _fill_lists(p, block_mask, t.br, t.bc, causal, kv=True, q=False)
         name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal)
-        _launch("fwd.cu", name, (_cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), p[()])
+        _launch("fwd.cu", name, (_config.cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), p[()])
     else:
         if block_mask is not None:
-            _kv_lists(p["kv_blocks"], block_mask, block_mask.block_q, block_mask.block_k, causal)
+            _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=False)
         name = template_name("generic_fwd_kernel", elem, hd, causal)
-        _launch("generic.cu", name, (_cdiv(sq, _config.GENERIC_WARPS), h, b),
+        _launch("generic.cu", name, (_config.cdiv(sq, _config.GENERIC_WARPS), h, b),
                 32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()])
 
 
@@ -162,7 +174,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
     sk, hk = k.shape[1], k.shape[2]
     hd = _config.head_dim_bucket(d)
     elem = ELEM[q.dtype.name]
-    rows = (_cdiv(sq, _config.GENERIC_WARPS), h, b)
+    rows = (_config.cdiv(sq, _config.GENERIC_WARPS), h, b)
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem), rows,
             32 * _config.GENERIC_WARPS, 0, p[()])
     if q.dtype.name in TENSOR_CORE:
@@ -170,29 +182,28 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
         t = _config.tile("bwd", hd, limit, *_tile_limits(block_mask),
                          deterministic=dq_accum is None)
         if block_mask is not None:
-            _q_lists(p["q_blocks"], block_mask, t.br, t.bc, causal)
+            _fill_lists(p, block_mask, t.br, t.bc, causal, kv=False, q=True)
         name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, causal,
                              dq_accum is not None)
-        _launch("bwd.cu", name, (_cdiv(sk, t.bc), hk, b), 32 * t.warps, t.smem_bytes(hd), p[()])
+        _launch("bwd.cu", name, (_config.cdiv(sk, t.bc), hk, b), 32 * t.warps, t.smem_bytes(hd), p[()])
         if dq_accum is None:
             t = _config.tile("dq", hd, limit, *_tile_limits(block_mask))
             if block_mask is not None:
-                _kv_lists(p["kv_blocks"], block_mask, t.br, t.bc, causal)
+                _fill_lists(p, block_mask, t.br, t.bc, causal, kv=True, q=False)
             name = template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal)
-            _launch("bwd.cu", name, (_cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), p[()])
+            _launch("bwd.cu", name, (_config.cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), p[()])
         else:
             _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), rows,
                     32 * _config.GENERIC_WARPS, 0, p[()])
     else:
         if block_mask is not None:
-            _kv_lists(p["kv_blocks"], block_mask, block_mask.block_q, block_mask.block_k, causal)
-            _q_lists(p["q_blocks"], block_mask, block_mask.block_q, block_mask.block_k, causal)
+            _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=True)
         smem = _generic_smem(hd, q.itemsize)
         threads = 32 * _config.GENERIC_WARPS
         _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, causal),
                 rows, threads, smem, p[()])
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, causal),
-                (_cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()])
+                (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()])
 
 
 def kernel_names(smem_limit):

@@ -18,13 +18,13 @@ Arrays inside are laid out (batch, nheads_k, group, seqlen, headdim), ``group = 
 nheads_k``, so that grouped query heads broadcast against their kv head and dk/dv are summed
 over the group by the contractions themselves.
 """
-import math
 
 import numpy as np
 
+from ._config import LOG2E, lse_dtype
+
 BR = 64                 # query rows per tile
 BC = 64                 # keys per tile
-LOG2E = math.log2(math.e)
 
 
 def key_blocks(q_block, seqlen_q, seqlen_k, causal, br=BR, bc=BC):
@@ -82,10 +82,6 @@ def _kv(x):
     return np.asarray(x, dtype=np.float64).transpose(0, 2, 1, 3)[:, :, None]
 
 
-def _lse_dtype(dtype):
-    return np.float64 if dtype == np.float64 else np.float32
-
-
 def _mask_visits(block_mask, causal):
     """The mask's lists (tiles = its blocks) as ``kv[head][q_block] = [(key_block, partial)]``
     and ``qv[head][key_block] = [(q_block, partial)]``, partial ones first."""
@@ -134,7 +130,7 @@ def forward(q, k, v, scale, causal, block_mask=None):
         out[:, kv_heads, group], lse[:, kv_heads, group] = _forward_tiles(
             q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads], scale, sq, sk,
             causal, kv_lists[mask_head], br, bc)
-    return _ungrouped(out, q.dtype), lse.reshape(b, h, sq).astype(_lse_dtype(q.dtype))
+    return _ungrouped(out, q.dtype), lse.reshape(b, h, sq).astype(lse_dtype(q.dtype))
 
 
 def _forward_tiles(q64, k64, v64, scale, sq, sk, causal, kv_list, br, bc):

@@ -8,6 +8,10 @@ strides, devices and values.
 import math
 import numbers
 
+import numpy as np
+
+from ._config import LOG2E, SEQLEN_SUM_LIMIT
+
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # Dims, seqlens and strides go to the kernels as int32 fields of the params struct.
@@ -27,7 +31,7 @@ def check_forward(q, k, v, softmax_scale):
     _check_sizes(q, k, v)
     _check_last_dim_contiguous(named)
     _check_devices(named)
-    _check_scale(softmax_scale)
+    _check_scale(softmax_scale, q.dtype)
 
 
 def check_backward(dout, q, k, v, out, lse, softmax_scale):
@@ -40,7 +44,7 @@ def check_backward(dout, q, k, v, out, lse, softmax_scale):
     _check_lse(lse, q)
     _check_last_dim_contiguous(named)
     _check_devices({**named, "lse": lse})
-    _check_scale(softmax_scale)
+    _check_scale(softmax_scale, q.dtype)
 
 
 def _check_dtypes(named):
@@ -78,6 +82,9 @@ def _check_sizes(q, k, v):
                                  f"(shape {tuple(a.shape)})")
             if n >= INT32_LIMIT:
                 raise ValueError(f"{name}: {dim} (axis {axis}) must be < 2**31, got {n}")
+    if q.shape[1] + k.shape[1] >= SEQLEN_SUM_LIMIT:
+        raise ValueError(f"seqlen_q + seqlen_k must be < 2**31 - 256 (32-bit positions in the "
+                         f"kernels), got {q.shape[1]} + {k.shape[1]}")
     for dim, axis in (("batch", 0), ("headdim", 3)):
         if k.shape[axis] != q.shape[axis]:
             raise ValueError(f"k: {dim} {k.shape[axis]} (axis {axis}) does not match "
@@ -126,7 +133,7 @@ def _check_devices(named):
         raise ValueError(f"all arrays must be on one device, got {got}")
 
 
-def _check_scale(scale):
+def _check_scale(scale, dtype):
     if scale is None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -134,6 +141,10 @@ def _check_scale(scale):
                         f"{type(scale).__name__}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a finite number > 0, got {scale!r}")
+    # Below float64 the kernels hold scale * log2(e) in a float32.
+    if dtype != np.float64 and float(scale) * LOG2E >= float(np.finfo(np.float32).max):
+        raise ValueError(f"softmax_scale {scale!r} is too large for {dtype} inputs: "
+                         f"scale * log2(e) must fit a float32")
 
 
 def _is_cupy(a):

@@ -3,7 +3,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _validate
+from . import _arrays, _config, _validate
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=None,
@@ -116,33 +116,31 @@ def _scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
-def _acc_dtype(dtype):
-    return np.float64 if dtype == np.float64 else np.float32
-
-
 def _forward_gpu(q, k, v, scale, causal, block_mask):
+    """Runs inside the caller's device and stream (``_arrays.launch_context``)."""
     import cupy as cp
     from . import _launch
-    with cp.cuda.Device(q.device):
-        b, sq, h, _ = q.shape
-        out = cp.empty(q.shape, q.dtype)
-        lse = cp.empty((b, h, sq), _acc_dtype(q.dtype))
-        _launch.forward(q, k, v, out, lse, scale, causal, block_mask)
+    _launch.check_supported(q.dtype, q.shape[-1], block_mask)
+    b, sq, h, _ = q.shape
+    out = cp.empty(q.shape, q.dtype)
+    lse = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
+    _launch.forward(q, k, v, out, lse, scale, causal, block_mask)
     return out, lse
 
 
 def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic, block_mask):
     import cupy as cp
     from . import _launch
-    with cp.cuda.Device(q.device):
-        b, sq, h, _ = q.shape
-        dq = cp.empty(q.shape, q.dtype)
-        dk = cp.empty(k.shape, k.dtype)
-        dv = cp.empty(v.shape, v.dtype)
-        lse = cp.ascontiguousarray(lse)
-        dsum = cp.empty((b, h, sq), _acc_dtype(q.dtype))
-        use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
-        dq_accum = cp.zeros(q.shape, cp.float32) if use_atomics else None
-        _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
-                         block_mask)
+    _launch.check_supported(q.dtype, q.shape[-1], block_mask)
+    b, sq, h, _ = q.shape
+    dq = cp.empty(q.shape, q.dtype)
+    dk = cp.empty(k.shape, k.dtype)
+    dv = cp.empty(v.shape, v.dtype)
+    # The kernels read lse in its own dtype: a float32 lse given with float64 inputs is widened.
+    lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
+    dsum = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
+    use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
+    dq_accum = cp.zeros(q.shape, cp.float32) if use_atomics else None
+    _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
+                     block_mask)
     return dq, dk, dv

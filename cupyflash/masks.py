@@ -30,12 +30,13 @@ import numbers
 
 import numpy as np
 
+from ._config import MASK_BLOCK_SIZES as BLOCK_SIZES
+from ._validate import INT32_LIMIT
+
 __all__ = ["BlockMask", "TileLists", "causal", "sliding_window", "strided", "longformer",
            "bigbird", "random"]
 
-BLOCK_SIZES = (64, 128)
 TILE_MIN, TILE_MAX = 16, 128
-INT32_LIMIT = 2**31
 
 TileLists = collections.namedtuple(
     "TileLists", ["kv_idx", "kv_count", "kv_partial", "q_idx", "q_count", "q_partial"])
@@ -220,7 +221,6 @@ class BlockMask:
         (self.kv_indices, self.kv_counts, self.kv_partial,
          self.q_indices, self.q_counts, self.q_partial) = (_read_only(a) for a in lists)
         self._tile_cache = {(block_q, block_k, self.causal, "numpy", None): lists}
-        self._tile_ready = {}   # device lists: the event after their host-to-device copy
 
     @classmethod
     def from_dense(cls, block_mask_bool, block_size=128, *, seqlen_q, seqlen_k, causal=False):
@@ -357,7 +357,9 @@ class BlockMask:
         at least one of its elements is visible (sequence bounds, causal); it is partial iff
         ``nt * tile_k + tile_k > key_end(mt * tile_q)`` with ``key_end(i) = min(seqlen_k, i + 1
         + seqlen_k - seqlen_q)`` if causal else ``seqlen_k`` (some element of it needs
-        masking). Cached per (tile_q, tile_k, causal, xp, device).
+        masking). Cached per (tile_q, tile_k, causal, xp, device, stream): device lists are
+        copied and allocated on the stream of the calls that read them, so CuPy's pool can
+        neither hand their memory out nor reuse it before those calls are done.
         """
         for name, t, block in (("tile_q", tile_q, self.block_q), ("tile_k", tile_k,
                                                                    self.block_k)):
@@ -367,24 +369,18 @@ class BlockMask:
         tile_q, tile_k = int(tile_q), int(tile_k)
         causal = bool(causal) or self.causal
         xp_name = xp.__name__.split(".")[0]
-        device = xp.cuda.Device().id if xp_name == "cupy" else None
-        key = (tile_q, tile_k, causal, xp_name, device)
+        where = (xp.cuda.Device().id, xp.cuda.get_current_stream().ptr) if xp_name == "cupy" \
+            else None
+        key = (tile_q, tile_k, causal, xp_name, where)
         lists = self._tile_cache.get(key)
         if lists is None:
             host_key = (tile_q, tile_k, causal, "numpy", None)
             host = self._tile_cache.get(host_key)
             if host is None:
                 host = self._tile_cache[host_key] = self._lists(tile_q, tile_k, causal)
-            if xp_name == "numpy":
-                lists = host
-            else:
-                lists = TileLists(*(xp.ascontiguousarray(xp.asarray(a)) for a in host))
-                # The copies were queued on this call's stream; later calls may run on others.
-                self._tile_ready[key] = xp.cuda.get_current_stream().record()
+            lists = host if xp_name == "numpy" else TileLists(
+                *(xp.ascontiguousarray(xp.asarray(a)) for a in host))
             self._tile_cache[key] = lists
-        if key in self._tile_ready:
-            # Order this call's stream after the copies, without waiting on the host.
-            xp.cuda.get_current_stream().wait_event(self._tile_ready[key])
         return lists
 
 

@@ -7,6 +7,7 @@ lse is compared with the float64 lse of the same (dtype-rounded) inputs.
 """
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
@@ -164,10 +165,20 @@ def _poison_cases():
     return cases
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "blockmask"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", params(_poison_cases()))
-def test_every_output_element_is_written(case, request):
-    """Outputs are allocated on NaN-filled memory; any element the kernels skip shows as NaN."""
+def test_every_output_element_is_written(case, deterministic, sparse, request):
+    """Outputs are allocated on NaN-filled memory; any element the kernels skip shows as NaN.
+    Covers both dQ passes, and a block mask with an empty block row and column (their rows of
+    out/lse and of dq, dk, dv must still be written: zeros, -inf)."""
     q, k, v, dout = make_inputs(case, seed_of(request))
+    mask = None
+    if sparse:
+        grid = np.ones((-(-case.sq // 64), -(-case.sk // 64)), bool)
+        grid[1, :] = False
+        grid[:, 0] = False
+        mask = cf.BlockMask.from_dense(grid, 64, seqlen_q=case.sq, seqlen_k=case.sk)
     acc = 8 if case.dtype == "fp64" else 4
     lse_bytes = case.batch * case.nheads * case.sq * acc
     _poison_pool(sorted({q.nbytes, k.nbytes, v.nbytes, lse_bytes, q.size * 4}))
@@ -176,13 +187,31 @@ def test_every_output_element_is_written(case, request):
     del probe
     scale = case.d ** -0.5
     out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
-                                  return_lse=True)
+                                  block_mask=mask, return_lse=True)
     dq, dk, dv = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
-                                             softmax_scale=scale)
+                                             softmax_scale=scale, block_mask=mask,
+                                             deterministic=deterministic)
     for name, a in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not has_nan(a), f"{name} has NaN: an element was never written"
-    check_forward(case, q, k, v, out, lse, scale)
-    check_backward(case, dout, q, k, v, (dq, dk, dv), scale)
+    elem = None if mask is None else cp.asarray(mask.to_dense())
+    check_forward(case, q, k, v, out, lse, scale, mask=elem)
+    check_backward(case, dout, q, k, v, (dq, dk, dv), scale, mask=elem)
+
+
+def test_float64_backward_widens_a_float32_lse(request):
+    """A float32 lse given with float64 inputs (the validator accepts it) is read as float64,
+    so the gradients are right to float32 precision, not garbage."""
+    case = Case("fp64", 97, 130, 64, True, 2, 4, 2)
+    q, k, v, dout = make_inputs(case, seed_of(request))
+    scale = case.d ** -0.5
+    out, lse = cf.flash_attention(q, k, v, causal=True, return_lse=True)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse.astype(cp.float32), causal=True)
+    refs = attention_ref_backward(dout, q, k, v, scale, True)
+    magnitude = max(float(cp.abs(cp.asarray(r)).max()) for r in refs)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        assert g.dtype == cp.float64
+        # lse rounded to float32 moves P by up to |lse| * 2**-24 relative.
+        assert_tight(name, g, r, 1e-5, magnitude)
 
 
 def _deterministic_cases():

@@ -187,7 +187,21 @@ def test_packed_qkv_slices_are_accepted():
     cf.flash_attention(q, k, v)
 
 
+def test_seqlen_sum_beyond_32_bit_positions_is_value_error():
+    # Each seqlen alone is fine; their sum would overflow the kernels' 32-bit position math.
+    q = np.lib.stride_tricks.as_strided(rand(1, 1, 1, 8), shape=(1, 2**30, 1, 8),
+                                        strides=(0, 0, 0, 4))
+    with pytest.raises(ValueError, match=r"^seqlen_q \+ seqlen_k must be < 2\*\*31 - 256"):
+        cf.flash_attention(q, q, q)
+
+
 # --- softmax_scale --------------------------------------------------------------------
+
+def test_softmax_scale_overflowing_float32_is_value_error():
+    with pytest.raises(ValueError, match="^softmax_scale .* too large for float32"):
+        cf.flash_attention(*qkv(), softmax_scale=3e38)
+    cf.flash_attention(*qkv(dtype=np.float64), softmax_scale=3e38)   # float64 holds it
+
 
 @pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf"), -float("inf")])
 def test_bad_softmax_scale_value_is_value_error(scale):
