@@ -16,12 +16,11 @@ import time
 import numpy as np
 
 from . import _bench
+from ._validate import DTYPES
 from .api import flash_attention, flash_attention_backward
 
 GPU_SHAPE = (2, 4096, 16, 128)
 CPU_SHAPE = (1, 256, 2, 64)
-DTYPES = ("float16", "bfloat16", "float32", "float64")
-
 
 # --- float64 reference for one (batch, head) slice -------------------------------------
 

@@ -30,7 +30,7 @@ import numbers
 
 import numpy as np
 
-from ._config import MASK_BLOCK_SIZES as BLOCK_SIZES
+from ._config import MASK_BLOCK_SIZES as BLOCK_SIZES, cdiv
 from ._validate import INT32_LIMIT
 
 __all__ = ["BlockMask", "TileLists", "causal", "sliding_window", "strided", "longformer",
@@ -48,10 +48,6 @@ kv_idx (heads, nqt, nkt): for each (head, query tile), the key tiles to visit, t
 q_idx (heads, nkt, nqt), q_count, q_partial: the transposed lists (for each key tile, the query
     tiles that visit it), in the same order convention.
 """
-
-
-def _cdiv(a, b):
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,8 +119,8 @@ def _key_end(rows, seqlen_q, seqlen_k, causal):
 def _visible_counts(tile_q, tile_k, seqlen_q, seqlen_k, causal):
     """(nqt, nkt) int64: visible elements of each tile (within the sequences, under the causal
     rule if ``causal``), in closed form: no element-level array is built."""
-    r0 = np.arange(_cdiv(seqlen_q, tile_q), dtype=np.int64) * tile_q
-    c0 = np.arange(_cdiv(seqlen_k, tile_k), dtype=np.int64) * tile_k
+    r0 = np.arange(cdiv(seqlen_q, tile_q), dtype=np.int64) * tile_q
+    c0 = np.arange(cdiv(seqlen_k, tile_k), dtype=np.int64) * tile_k
     r1 = np.minimum(r0 + tile_q, seqlen_q)
     c1 = np.minimum(c0 + tile_k, seqlen_k)
     width = (c1 - c0)[None, :]
@@ -201,7 +197,7 @@ class BlockMask:
         blocks = _to_numpy(blocks, "block_mask")
         if blocks.dtype != np.bool_:
             raise TypeError(f"block_mask: dtype must be bool, got {blocks.dtype.name}")
-        nbq, nbk = _cdiv(seqlen_q, block_q), _cdiv(seqlen_k, block_k)
+        nbq, nbk = cdiv(seqlen_q, block_q), cdiv(seqlen_k, block_k)
         if blocks.ndim not in (2, 3):
             raise ValueError(f"block_mask must be 2-D (nbq, nbk) or 3-D (heads, nbq, nbk), got "
                              f"{blocks.ndim}-D shape {blocks.shape}")
@@ -324,7 +320,7 @@ class BlockMask:
     def _lists(self, tile_q, tile_k, causal):
         """TileLists of NumPy int32 arrays (see ``tile_lists``)."""
         sq, sk = self.seqlen_q, self.seqlen_k
-        nqt, nkt = _cdiv(sq, tile_q), _cdiv(sk, tile_k)
+        nqt, nkt = cdiv(sq, tile_q), cdiv(sk, tile_k)
         rows0 = np.arange(nqt, dtype=np.int64) * tile_q      # first row of each query tile
         cols0 = np.arange(nkt, dtype=np.int64) * tile_k
         # Tiles divide blocks, so each tile lies inside one mask block.
@@ -393,8 +389,8 @@ def _geometry(seqlen_q, seqlen_k, block_size):
     block_q, block_k = _block_pair(block_size)
     sq = _check_seqlen("seqlen_q", seqlen_q)
     sk = _check_seqlen("seqlen_k", seqlen_k)
-    r0 = np.arange(_cdiv(sq, block_q), dtype=np.int64) * block_q
-    c0 = np.arange(_cdiv(sk, block_k), dtype=np.int64) * block_k
+    r0 = np.arange(cdiv(sq, block_q), dtype=np.int64) * block_q
+    c0 = np.arange(cdiv(sk, block_k), dtype=np.int64) * block_k
     r1 = np.minimum(r0 + block_q, sq) - 1
     c1 = np.minimum(c0 + block_k, sk) - 1
     return (block_q, block_k), sq, sk, (r0[:, None], r1[:, None]), (c0[None], c1[None])
