@@ -70,6 +70,23 @@ __host__ __device__ constexpr int dq_chunk(int W) {
     return W % 64 == 0 ? 64 : W % 48 == 0 ? 48 : W % 32 == 0 ? 32 : 16;
 }
 
+// Adds a warp's dQ accumulators (KM m16 tiles x N n8 tiles, mma layout) into the fp32 buffer:
+// gdq points at the thread's first element, rows are ld floats apart; Checked skips elements at
+// or past rows_left / cols_left (relative to the thread's first row and column).
+template <bool Checked, int KM, int N>
+__device__ __forceinline__ void add_dq_tile(const float (&acc)[KM][N][4], float* gdq, int ld,
+                                            int rows_left, int cols_left) {
+#pragma unroll
+    for (int km = 0; km < KM; ++km)
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = km * 16 + (e >= 2 ? 8 : 0), c = i * 8 + (e & 1);
+                if (!Checked || (r < rows_left && c < cols_left)) atomicAdd(gdq + r * ld + c, acc[km][i][e]);
+            }
+}
+
 // KM: 16-row slices a warp owns, of keys (S^T, dK, dV) and of queries (dQ). Two slices let a
 // warp reuse each B operand it loads from shared memory twice, which this pass is bound by.
 template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, bool Causal, bool AtomicDQ>
@@ -251,6 +268,13 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             // dQ (Br x HeadDim) += dS K, the warp's 16*KM rows x CW columns, CH at a time,
             // added into the fp32 buffer (scaled in bwd_convert_dq_kernel).
             const int row_w = (warp % RT) * 16 * KM, cs = warp / RT;
+            // The thread's first dQ element of the step (row g, column 2t of the warp's slice);
+            // dQ rows are nheads * headdim floats apart. The bounds are checked only in a tile
+            // that has rows or columns to skip.
+            const int dq_ld = p.nheads * p.headdim;
+            float* gdq = p.dq_accum + ((static_cast<index_t>(b) * p.seqlen_q + m0 + row_w + g) * p.nheads + h) * p.headdim + 2 * t;
+            const int rows_left = p.seqlen_q - (m0 + row_w + g), cols_left = p.headdim - 2 * t;
+            const bool whole = m0 + Br <= p.seqlen_q && p.headdim == HeadDim;
 #pragma unroll 1
             for (int c0 = cs * CW; c0 < (cs + 1) * CW; c0 += CH) {
                 float acc[KM][CH / 8][4];
@@ -277,18 +301,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                         }
                     }
                 }
-#pragma unroll
-                for (int km = 0; km < KM; ++km)
-#pragma unroll
-                for (int i = 0; i < CH / 8; ++i)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = m0 + row_w + km * 16 + g + (e >= 2 ? 8 : 0);
-                        const int col = c0 + i * 8 + 2 * t + (e & 1);
-                        if (row < p.seqlen_q && col < p.headdim)
-                            atomicAdd(p.dq_accum + ((static_cast<index_t>(b) * p.seqlen_q + row) * p.nheads + h) * p.headdim + col,
-                                      acc[km][i][e]);
-                    }
+                if (whole) add_dq_tile<false>(acc, gdq + c0, dq_ld, rows_left, cols_left - c0);
+                else add_dq_tile<true>(acc, gdq + c0, dq_ld, rows_left, cols_left - c0);
             }
         } else {
             __syncthreads();   // every warp is done with Q, dO, P^T and dS^T
@@ -337,7 +351,8 @@ flash_bwd_dq_kernel(const BwdParams p) {
     u16* sV = sK + Bc * LD;
 
     const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
-    const int row0 = blockIdx.x * Br;
+    const int qblock = Causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;   // as in the forward
+    const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const bool vec_ok = p.vec_ok != 0;
@@ -370,7 +385,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
 
-    const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, blockIdx.x, Br, Bc, p.seqlen_q, p.seqlen_k);
+    const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, qblock, Br, Bc, p.seqlen_q, p.seqlen_k);
     const u16* gK = row_ptr<const u16>(p.k, b, hk, 0);
     const u16* gV = row_ptr<const u16>(p.v, b, hk, 0);
     for (int it = 0; it < kb.count; ++it) {

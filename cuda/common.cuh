@@ -118,31 +118,72 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // --- Tiles of a (batch, seq, head, dim) tensor in shared memory: Rows x HeadDim 16-bit
-// elements, row stride HeadDim + SMEM_PAD. Row r of the tile is tensor row row0 + r; rows at
-// or past `rows_valid` and columns at or past `d` are zero-filled, so the math on them is
-// harmless. All threads of the block take part.
+// elements, row stride HeadDim + SMEM_PAD, moved in 16-byte chunks by all threads of the block.
+
+// Calls f(r, col) for each chunk (row r, first column col) this thread moves. Where the
+// block's threads cover whole rows, the loop is unrolled with the thread's column fixed and
+// its rows a constant apart: a few instructions per chunk, not a division and a loop.
+template <int Rows, int HeadDim, int Threads, typename F>
+__device__ __forceinline__ void for_each_chunk(F&& f) {
+    constexpr int CHUNKS = HeadDim / 8;
+    if constexpr (Threads % CHUNKS == 0) {
+        constexpr int STEP = Threads / CHUNKS;   // rows covered by one pass of the block
+        const int r0 = threadIdx.x / CHUNKS, col = threadIdx.x % CHUNKS * 8;
+#pragma unroll
+        for (int i = 0; i < (Rows + STEP - 1) / STEP; ++i)
+            if (Rows % STEP == 0 || r0 + i * STEP < Rows) f(r0 + i * STEP, col);
+    } else {
+        // Head dims whose chunk count does not divide the block (96, 160, 192, 224): a plain
+        // loop, since unrolling it costs registers the big head dims do not have.
+#pragma unroll 1
+        for (int c = threadIdx.x; c < Rows * CHUNKS; c += Threads) f(c / CHUNKS, c % CHUNKS * 8);
+    }
+}
+
+// Row r of the tile is tensor row row0 + r (gbase points at it); rows at or past `rows_valid`
+// and columns at or past `d` are zero-filled, so the math on them is harmless.
 template <int Rows, int HeadDim, int Threads>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* gbase, index_t row_stride,
                                           int rows_valid, int d, bool vec_ok) {
-    constexpr int CHUNKS = HeadDim / 8;   // 16-byte chunks per row
     constexpr int LD = HeadDim + SMEM_PAD;
-    for (int c = threadIdx.x; c < Rows * CHUNKS; c += Threads) {
-        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-        u16* dst = tile + r * LD + col;
-        const u16* src = gbase + r * row_stride + col;
-        const bool row_ok = r < rows_valid;
-        if (vec_ok) {
-            // d is a multiple of 8 here, so a chunk is either wholly in or wholly out.
-            const bool in = row_ok && col < d;
-            cp_async_16(smem_addr(dst), in ? src : gbase, in ? 16 : 0);
+    constexpr int CHUNKS = HeadDim / 8;
+    if (vec_ok) {
+        // d is a multiple of 8 here, so a chunk is either wholly in or wholly out. A chunk
+        // outside is zero-filled (source size 0: nothing is read from `src`).
+        const u32 stile = smem_addr(tile);
+        if constexpr (Threads % CHUNKS == 0) {
+            // The thread's column is fixed and its rows STEP apart: one pointer bump per chunk.
+            constexpr int STEP = Threads / CHUNKS;
+            const int r0 = threadIdx.x / CHUNKS, col = threadIdx.x % CHUNKS * 8;
+            const bool col_in = col < d;
+            const u16* src = gbase + r0 * row_stride + col;
+#pragma unroll
+            for (int i = 0; i < (Rows + STEP - 1) / STEP; ++i) {
+                const int r = r0 + i * STEP;
+                if (Rows % STEP == 0 || r < Rows)
+                    cp_async_16(stile + (r * LD + col) * 2, src, col_in && r < rows_valid ? 16 : 0);
+                src += STEP * row_stride;
+            }
         } else {
+            for_each_chunk<Rows, HeadDim, Threads>([&](int r, int col) {
+                const bool in = r < rows_valid && col < d;
+                cp_async_16(stile + (r * LD + col) * 2, in ? gbase + r * row_stride + col : gbase, in ? 16 : 0);
+            });
+        }
+    } else {
+        // Unaligned or odd-strided tensors: element loads in a plain loop (a rare path, kept
+        // small so that it does not cost the fast path registers).
+#pragma unroll 1
+        for (int c = threadIdx.x; c < Rows * CHUNKS; c += Threads) {
+            const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+            const u16* src = gbase + r * row_stride + col;
             u16 v[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = (row_ok && col + e < d) ? src[e] : u16(0);
+            for (int e = 0; e < 8; ++e) v[e] = (r < rows_valid && col + e < d) ? src[e] : u16(0);
             u32 w[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) w[e] = v[2 * e] | (static_cast<u32>(v[2 * e + 1]) << 16);
-            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+            *reinterpret_cast<uint4*>(tile + r * LD + col) = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 }
@@ -151,11 +192,9 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* gbase, index_t r
 template <int Rows, int HeadDim, int Threads>
 __device__ __forceinline__ void store_tile(const u16* tile, u16* gbase, index_t row_stride,
                                            int rows_valid, int d, bool vec_ok) {
-    constexpr int CHUNKS = HeadDim / 8;
     constexpr int LD = HeadDim + SMEM_PAD;
-    for (int c = threadIdx.x; c < Rows * CHUNKS; c += Threads) {
-        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-        if (r >= rows_valid || col >= d) continue;
+    for_each_chunk<Rows, HeadDim, Threads>([&](int r, int col) {
+        if (r >= rows_valid || col >= d) return;
         const u16* src = tile + r * LD + col;
         u16* dst = gbase + r * row_stride + col;
         if (vec_ok) {
@@ -165,5 +204,5 @@ __device__ __forceinline__ void store_tile(const u16* tile, u16* gbase, index_t 
             for (int e = 0; e < 8; ++e)
                 if (col + e < d) dst[e] = src[e];
         }
-    }
+    });
 }

@@ -26,7 +26,10 @@ flash_fwd_kernel(const FwdParams p) {
     u16* sV = sK + Bc * LD;
 
     const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
-    const int row0 = blockIdx.x * Br;
+    // Causal: the last query blocks see the most keys, so they are launched first and the
+    // short ones fill the tail.
+    const int qblock = Causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;        // mma accumulator: row g (and g+8), columns 2t, 2t+1
     const int wrow = warp * MT * 16;              // the warp's first row in the block
@@ -37,7 +40,7 @@ flash_fwd_kernel(const FwdParams p) {
     const u16* gK = row_ptr<const u16>(p.k, b, hk, 0);
     const u16* gV = row_ptr<const u16>(p.v, b, hk, 0);
 
-    const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, blockIdx.x, Br, Bc, p.seqlen_q, p.seqlen_k);
+    const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, qblock, Br, Bc, p.seqlen_q, p.seqlen_k);
 
     load_tile<Br, HeadDim, Threads>(sQ, gQ, p.q.row_stride, rows_valid, p.headdim, vec_ok);
     if (kb.count > 0)

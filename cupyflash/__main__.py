@@ -146,8 +146,9 @@ def warmup(args):
 
 # --- bench ------------------------------------------------------------------------------
 
-BENCH_HEADDIMS = (64, 128)
-BENCH_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+BENCH_DTYPES = ("bfloat16", "float16")
+BENCH_HEADDIMS = (64, 128, 256)
+BENCH_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_HEADDIMS = (128,)
 QUICK_SEQLENS = (1024, 4096, 16384)
 NAIVE_SEQLENS = (4096, 8192)     # the targets against naive attention are set here
@@ -167,19 +168,21 @@ def bench(args):
             return 2
     headdims, seqlens = ((QUICK_HEADDIMS, QUICK_SEQLENS) if args.quick
                          else (BENCH_HEADDIMS, BENCH_SEQLENS))
+    dtypes = args.dtype or (BENCH_DTYPES[:1] if args.quick else BENCH_DTYPES)
     impls = args.impl or _bench.DENSE_IMPLS
     log = functools.partial(print, flush=True)
     gpu = _bench.gpu_name()
-    log(f"{gpu}: bfloat16, batch x seqlen = {_bench.TOKENS} tokens, nheads x headdim = "
+    log(f"{gpu}: {', '.join(dtypes)}, batch x seqlen = {_bench.TOKENS} tokens, nheads x headdim = "
         f"{_bench.HEAD_WIDTH}; median of {args.reps} calls after {args.warmup} warm-up calls")
     t0 = time.perf_counter()
     rows = []
-    for d in headdims:
-        for causal in (False, True):
-            for s in seqlens:
-                use = [i for i in impls if i != "naive" or s <= NAIVE_MAX_SEQLEN]
-                rows += _bench.compare(_bench.Case.dense(s, d, causal), use, ("fwd", "bwd"),
-                                       args.reps, args.warmup, log=log)
+    for dtype in dtypes:
+        for d in headdims:
+            for causal in (False, True):
+                for s in seqlens:
+                    use = [i for i in impls if i != "naive" or s <= NAIVE_MAX_SEQLEN]
+                    rows += _bench.compare(_bench.Case.dense(s, d, causal, dtype), use,
+                                           ("fwd", "bwd"), args.reps, args.warmup, log=log)
     if "naive" in impls:
         for s in NAIVE_SEQLENS:
             rows += _bench.compare(_bench.Case.dense(s, 128, False), impls, ("fwdbwd",),
@@ -193,7 +196,7 @@ def bench(args):
         log(f"wrote {_bench.write_json(args.json, doc)}")
     if args.plot:
         try:
-            _bench.plot(rows, args.plot, title=f"{gpu}, bfloat16, batch x seqlen = 16K tokens, "
+            _bench.plot(rows, args.plot, title=f"{gpu}, batch x seqlen = 16K tokens, "
                                                f"nheads x headdim = 2048")
             log(f"wrote {args.plot}")
         except Exception as e:  # the table below is still worth printing
@@ -236,9 +239,12 @@ def main(argv=None):
     p = sub.add_parser("bench", help="TFLOP/s and memory against naive attention and PyTorch "
                                      "SDPA, as a table (and a figure)")
     p.add_argument("--quick", action="store_true",
-                   help="d=%s, seqlen %s (default d=%s, seqlen %s)" % (
-                       QUICK_HEADDIMS[0], ",".join(map(str, QUICK_SEQLENS)),
-                       " and ".join(map(str, BENCH_HEADDIMS)), ",".join(map(str, BENCH_SEQLENS))))
+                   help="%s, d=%s, seqlen %s (default %s, d=%s, seqlen %s)" % (
+                       BENCH_DTYPES[0], QUICK_HEADDIMS[0], ",".join(map(str, QUICK_SEQLENS)),
+                       " and ".join(BENCH_DTYPES), ",".join(map(str, BENCH_HEADDIMS)),
+                       ",".join(map(str, BENCH_SEQLENS))))
+    p.add_argument("--dtype", action="append", choices=BENCH_DTYPES,
+                   help="only this dtype (repeatable)")
     p.add_argument("--plot", metavar="FILE.png", help="draw TFLOP/s against seqlen (matplotlib)")
     p.add_argument("--json", metavar="FILE", help="write every row, with GPU, date, commit and "
                                                   "versions (commit real runs to "
