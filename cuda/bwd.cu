@@ -41,26 +41,30 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const BwdParams p) 
     const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int b = blockIdx.z, h = blockIdx.y;
     if (row >= p.seqlen_q) return;
-    const float* acc = p.dq_accum + ((static_cast<index_t>(b) * p.seqlen_q + row) * p.nheads + h) * p.headdim;
+    const float* acc = p.dq_accum + ((static_cast<index_t>(b) * p.dq_accum_rows + row) * p.nheads + h) * p.dq_accum_cols;
     u16* dq = row_ptr<u16>(p.dq, b, h, row);
     const float scale = static_cast<float>(p.scale);
     for (int c = lane; c < p.headdim; c += 32) ElemTraits<Elem>::store(dq + c, acc[c] * scale);
 }
 
-// lse of rows [row0, row0 + Rows) in log2 units into shared memory; +inf for rows past the
-// end and for rows that see no key, so that exp2(s - lse) is exactly 0 there. Also D.
-template <int Rows>
-__device__ __forceinline__ void load_row_stats(const BwdParams& p, float* sLse, float* sD, int b, int h, int row0) {
-    for (int r = threadIdx.x; r < Rows; r += blockDim.x) {
-        const int row = row0 + r;
-        float lse = __int_as_float(0x7f800000), d = 0.f;
-        if (row < p.seqlen_q) {
-            const float l = *stat_ptr<float>(p, const_cast<void*>(p.lse), b, h, row);
-            if (l != neg_inf()) lse = l * LOG2E;
-            d = *stat_ptr<float>(p, p.dsum, b, h, row);
-        }
-        sLse[r] = lse;
-        sD[r] = d;
+// lse in log2 units for exp2(s * scale_log2 - lse2); a row that saw no key (lse = -inf) gets
+// +inf, so that its probabilities are exactly 0.
+__device__ __forceinline__ float lse_log2(float lse) {
+    return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
+}
+
+// lse (natural log, as stored) and D of rows [row0, row0 + Rows) into sStats[0, Rows) and
+// sStats[Rows, 2 Rows) by cp.async, so that the loads land under the math; rows past the end
+// read 0, harmless since their dO rows are zero.
+template <int Rows, int Threads>
+__device__ __forceinline__ void load_row_stats(const BwdParams& p, float* sStats, int b, int h, int row0) {
+    static_assert(2 * Rows <= Threads, "one value per thread");
+    const int r = threadIdx.x % Rows, row = row0 + r;
+    const bool in = row < p.seqlen_q;
+    if (threadIdx.x < 2 * Rows) {
+        const float* src = stat_ptr<float>(p, threadIdx.x < Rows ? const_cast<void*>(p.lse) : p.dsum,
+                                            b, h, in ? row : 0);
+        cp_async_4(smem_addr(sStats + threadIdx.x), src, in ? 4 : 0);
     }
 }
 
@@ -70,26 +74,55 @@ __host__ __device__ constexpr int dq_chunk(int W) {
     return W % 64 == 0 ? 64 : W % 48 == 0 ? 48 : W % 32 == 0 ? 32 : 16;
 }
 
-// Adds a warp's dQ accumulators (KM m16 tiles x N n8 tiles, mma layout) into the fp32 buffer:
-// gdq points at the thread's first element, rows are ld floats apart; Checked skips elements at
-// or past rows_left / cols_left (relative to the thread's first row and column).
-template <bool Checked, int KM, int N>
-__device__ __forceinline__ void add_dq_tile(const float (&acc)[KM][N][4], float* gdq, int ld,
-                                            int rows_left, int cols_left) {
+// dQ (Br x HeadDim) += dS K for one step: the warp's 16*KM rows x CW columns from col_w, CH at
+// a time, added into the fp32 buffer (scaled in bwd_convert_dq_kernel). gdq points at column
+// 2t of the thread's first row (row g of the warp's slice); the buffer is padded to whole
+// tiles, so no element needs a bounds check.
+template <typename Elem, int HeadDim, int Bc, int KM, int CW, int CH, int LD, int LDP>
+__device__ __forceinline__ void dq_step(u32 sdSta, u32 sKa, int lane, int row_w, int col_w,
+                                        float* gdq, int dq_ld) {
+#pragma unroll 1
+    for (int c0 = col_w; c0 < col_w + CW; c0 += CH) {
+        float acc[KM][CH / 8][4];
 #pragma unroll
-    for (int km = 0; km < KM; ++km)
+        for (int km = 0; km < KM; ++km)
 #pragma unroll
-        for (int i = 0; i < N; ++i)
+            for (int i = 0; i < CH / 8; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = km * 16 + (e >= 2 ? 8 : 0), c = i * 8 + (e & 1);
-                if (!Checked || (r < rows_left && c < cols_left)) atomicAdd(gdq + r * ld + c, acc[km][i][e]);
+                for (int e = 0; e < 4; ++e) acc[km][i][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk) {
+            u32 a[KM][4];   // dS (queries x keys) read transposed from dS^T
+#pragma unroll
+            for (int km = 0; km < KM; ++km)
+                ldmatrix_x4_trans(a[km], sdSta + ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * LDP + row_w + km * 16 + ((lane >> 3) & 1) * 8) * 2);
+#pragma unroll
+            for (int dp = 0; dp < CH / 16; ++dp) {
+                u32 bk[4];
+                ldmatrix_x4_trans(bk, sKa + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + c0 + dp * 16 + (lane >> 4) * 8) * 2);
+#pragma unroll
+                for (int km = 0; km < KM; ++km) {
+                    mma_16816<Elem>(acc[km][2 * dp], a[km], bk[0], bk[1]);
+                    mma_16816<Elem>(acc[km][2 * dp + 1], a[km], bk[2], bk[3]);
+                }
             }
+        }
+#pragma unroll
+        for (int km = 0; km < KM; ++km)
+#pragma unroll
+            for (int i = 0; i < CH / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    atomicAdd(gdq + (km * 16 + (e >= 2 ? 8 : 0)) * dq_ld + c0 + i * 8 + (e & 1), acc[km][i][e]);
+    }
 }
 
 // KM: 16-row slices a warp owns, of keys (S^T, dK, dV) and of queries (dQ). Two slices let a
 // warp reuse each B operand it loads from shared memory twice, which this pass is bound by.
-template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, bool Causal, bool AtomicDQ>
+// Stages: buffers of Q, dO, lse and D. With two, the next step's are fetched at the top of a
+// step and land under all of its math, and dQ (with its atomics) goes before dK/dV; with one,
+// the fetch waits for the dK/dV product and lands under the dQ product only.
+template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, int Stages, bool Causal, bool AtomicDQ>
 __global__ void __launch_bounds__(NWarps * 32)
 flash_bwd_dkdv_kernel(const BwdParams p) {
     constexpr int Threads = NWarps * 32;
@@ -102,19 +135,20 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     constexpr int RT = Br / (16 * KM);        // dQ: row tiles of 16*KM rows ...
     constexpr int CS = NWarps / RT;           // ... times column splits
     constexpr int CW = HeadDim / CS;          // dQ columns of a warp
-    constexpr int CH = dq_chunk(CW);
     static_assert(WK * WQ == NWarps && QW % 16 == 0 && DW % 16 == 0, "warp grid over keys x queries");
     static_assert(RT * CS == NWarps && CW % 16 == 0, "warp grid over the dQ tile");
+    static_assert(Stages == 1 || Stages == 2, "one or two Q/dO buffers");
 
+    // Shared memory: K, V, P^T, dS^T, then per stage Q, dO, lse and D.
+    constexpr int STAGE = 2 * Br * LD * 2 + 2 * Br * 4;   // bytes
     extern __shared__ __align__(16) unsigned char smem[];
     u16* sK = reinterpret_cast<u16*>(smem);
     u16* sV = sK + Bc * LD;
-    u16* sQ = sV + Bc * LD;
-    u16* sdO = sQ + Br * LD;
-    u16* sPt = sdO + Br * LD;
+    u16* sPt = sV + Bc * LD;
     u16* sdSt = sPt + Bc * LDP;
-    float* sLse = reinterpret_cast<float*>(sdSt + Bc * LDP);
-    float* sD = sLse + Br;
+    unsigned char* stage0 = reinterpret_cast<unsigned char*>(sdSt + Bc * LDP);
+    auto sQ_of = [&](int buf) { return reinterpret_cast<u16*>(stage0 + buf * STAGE); };
+    auto stats_of = [&](int buf) { return reinterpret_cast<float*>(stage0 + buf * STAGE + 2 * Br * LD * 2); };
 
     const int b = blockIdx.z, hk = blockIdx.y;
     const int col0 = blockIdx.x * Bc;
@@ -125,7 +159,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const bool vec_ok = p.vec_ok != 0;
     const float scale_log2 = p.scale_log2;
 
-    const u32 sKa = smem_addr(sK), sVa = smem_addr(sV), sQa = smem_addr(sQ), sdOa = smem_addr(sdO);
+    const u32 sKa = smem_addr(sK), sVa = smem_addr(sV);
     const u32 sPta = smem_addr(sPt), sdSta = smem_addr(sdSt);
 
     load_tile<Bc, HeadDim, Threads>(sK, row_ptr<const u16>(p.k, b, hk, col0), p.k.row_stride,
@@ -146,18 +180,24 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         }
         return s;
     };
-    auto prefetch = [&](const Step& s) {   // Q, dO, lse and D of step s
+    auto prefetch = [&](const Step& s, int buf) {   // Q, dO, lse and D of step s into stage buf
         const int h = hk * p.group + s.hq;
         const int m0 = s.qb.block(s.it) * Br;
+        u16* sQ = sQ_of(buf);
         load_tile<Br, HeadDim, Threads>(sQ, row_ptr<const u16>(p.q, b, h, m0), p.q.row_stride,
                                         p.seqlen_q - m0, p.headdim, vec_ok);
-        load_tile<Br, HeadDim, Threads>(sdO, row_ptr<const u16>(p.dout, b, h, m0), p.dout.row_stride,
+        load_tile<Br, HeadDim, Threads>(sQ + Br * LD, row_ptr<const u16>(p.dout, b, h, m0), p.dout.row_stride,
                                         p.seqlen_q - m0, p.headdim, vec_ok);
-        load_row_stats<Br>(p, sLse, sD, b, h, m0);
+        load_row_stats<Br, Threads>(p, stats_of(buf), b, h, m0);
     };
     Step cur = settle(Step{0, 0, blocks_of(0)});
-    if (cur.hq < p.group) prefetch(cur);
+    if (cur.hq < p.group) prefetch(cur, 0);
     cp_async_commit();
+    int buf = 0;
+
+    // dQ: the warp's rows and columns, and rows of the padded buffer (nheads * HeadDim floats).
+    const int row_w = (warp % RT) * 16 * KM, col_w = (warp / RT) * CW;
+    const int dq_ld = p.nheads * HeadDim;
 
     float dk[KM][DW / 8][4], dv[KM][DW / 8][4];
 #pragma unroll
@@ -173,7 +213,16 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const bool masked = cur.qb.template needs_mask<Causal>(cur.it, Br, Bc, col0, p.seqlen_q, p.seqlen_k);
         const Step next = settle(Step{cur.hq, cur.it + 1, cur.qb});
         cp_async_wait<0>();
-        __syncthreads();   // Q, dO, lse, D of this step have landed; last step's dQ reads are done
+        __syncthreads();   // this step's Q, dO, lse, D have landed; every warp is done with the last step
+        if constexpr (Stages == 2) {
+            if (next.hq < p.group) prefetch(next, buf ^ 1);   // the stage the last step read
+            cp_async_commit();
+        }
+        const u32 sQa = smem_addr(sQ_of(buf)), sdOa = sQa + Br * LD * 2;
+        const float* sLse = stats_of(buf);
+        const float* sD = sLse + Br;
+        float* gdq = AtomicDQ ? p.dq_accum + ((static_cast<index_t>(b) * p.dq_accum_rows + m0 + row_w + g) * p.nheads + h) * HeadDim + 2 * t
+                              : nullptr;
 
         // S^T = K Q^T and dP^T = V dO^T for the warp's 16*KM keys x QW queries.
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
@@ -208,10 +257,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             }
         }
 
-        // P^T and dS^T go through shared memory. A warp that holds all Br queries of its keys
-        // (WQ == 1) reads back only the rows it wrote itself, so a warp barrier replaces the
-        // block's. (Keeping P^T in registers instead spills at head dim 128.)
-        constexpr bool OwnRows = WQ == 1;
+        // P^T and dS^T go through shared memory (keeping P^T in registers spills at head dim 128).
 #pragma unroll
         for (int km = 0; km < KM; ++km)
 #pragma unroll
@@ -220,7 +266,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             for (int e = 0; e < 4; ++e) {
                 const int qi = qw * QW + nt * 8 + 2 * t + (e & 1);     // query within the block
                 const int key = col0 + key0 + km * 16 + g + (e >= 2 ? 8 : 0);
-                float pv = fast_exp2(fmaf(st[km][nt][e], scale_log2, -sLse[qi]));
+                float pv = fast_exp2(fmaf(st[km][nt][e], scale_log2, -lse_log2(sLse[qi])));
                 if (masked && key >= key_end<Causal>(m0 + qi, p.seqlen_q, p.seqlen_k)) pv = 0.f;
                 st[km][nt][e] = pv;
                 dpt[km][nt][e] = pv * (dpt[km][nt][e] - sD[qi]);
@@ -232,8 +278,17 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             *reinterpret_cast<u32*>(sdSt + r * LDP + c) = pack2<Elem>(dpt[km][nt][0], dpt[km][nt][1]);
             *reinterpret_cast<u32*>(sdSt + (r + 8) * LDP + c) = pack2<Elem>(dpt[km][nt][2], dpt[km][nt][3]);
         }
-        if constexpr (OwnRows) __syncwarp();
-        else __syncthreads();   // P^T and dS^T of the whole block are in shared memory
+        // dQ reads dS^T rows other warps wrote; for dK/dV, a warp that holds all Br queries of
+        // its keys (WQ == 1) reads back only its own rows, and a warp barrier is enough.
+        constexpr bool OwnRows = WQ == 1;
+        if constexpr (AtomicDQ && Stages == 2) {
+            __syncthreads();
+            dq_step<Elem, HeadDim, Bc, KM, CW, dq_chunk(CW), LD, LDP>(sdSta, sKa, lane, row_w, col_w, gdq, dq_ld);
+        } else if constexpr (OwnRows) {
+            __syncwarp();
+        } else {
+            __syncthreads();
+        }
 
         // dV += P^T dO and dK += dS^T Q for the warp's 16*KM keys x DW columns.
 #pragma unroll
@@ -261,55 +316,15 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             }
         }
 
-        if constexpr (AtomicDQ) {
-            __syncthreads();   // dS^T is complete, and every warp is done with Q and dO: fetch the next step's
-            if (next.hq < p.group) prefetch(next);
+        if constexpr (Stages == 1) {
+            __syncthreads();   // every warp is done with Q, dO (and P^T, dS^T): fetch the next step's
+            if (next.hq < p.group) prefetch(next, 0);
             cp_async_commit();
-            // dQ (Br x HeadDim) += dS K, the warp's 16*KM rows x CW columns, CH at a time,
-            // added into the fp32 buffer (scaled in bwd_convert_dq_kernel).
-            const int row_w = (warp % RT) * 16 * KM, cs = warp / RT;
-            // The thread's first dQ element of the step (row g, column 2t of the warp's slice);
-            // dQ rows are nheads * headdim floats apart. The bounds are checked only in a tile
-            // that has rows or columns to skip.
-            const int dq_ld = p.nheads * p.headdim;
-            float* gdq = p.dq_accum + ((static_cast<index_t>(b) * p.seqlen_q + m0 + row_w + g) * p.nheads + h) * p.headdim + 2 * t;
-            const int rows_left = p.seqlen_q - (m0 + row_w + g), cols_left = p.headdim - 2 * t;
-            const bool whole = m0 + Br <= p.seqlen_q && p.headdim == HeadDim;
-#pragma unroll 1
-            for (int c0 = cs * CW; c0 < (cs + 1) * CW; c0 += CH) {
-                float acc[KM][CH / 8][4];
-#pragma unroll
-                for (int km = 0; km < KM; ++km)
-#pragma unroll
-                    for (int i = 0; i < CH / 8; ++i)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[km][i][e] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < Bc / 16; ++kk) {
-                    u32 a[KM][4];   // dS (queries x keys) read transposed from dS^T
-#pragma unroll
-                    for (int km = 0; km < KM; ++km)
-                        ldmatrix_x4_trans(a[km], sdSta + ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * LDP + row_w + km * 16 + ((lane >> 3) & 1) * 8) * 2);
-#pragma unroll
-                    for (int dp = 0; dp < CH / 16; ++dp) {
-                        u32 bk[4];
-                        ldmatrix_x4_trans(bk, sKa + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + c0 + dp * 16 + (lane >> 4) * 8) * 2);
-#pragma unroll
-                        for (int km = 0; km < KM; ++km) {
-                            mma_16816<Elem>(acc[km][2 * dp], a[km], bk[0], bk[1]);
-                            mma_16816<Elem>(acc[km][2 * dp + 1], a[km], bk[2], bk[3]);
-                        }
-                    }
-                }
-                if (whole) add_dq_tile<false>(acc, gdq + c0, dq_ld, rows_left, cols_left - c0);
-                else add_dq_tile<true>(acc, gdq + c0, dq_ld, rows_left, cols_left - c0);
-            }
-        } else {
-            __syncthreads();   // every warp is done with Q, dO, P^T and dS^T
-            if (next.hq < p.group) prefetch(next);
-            cp_async_commit();
+            if constexpr (AtomicDQ)
+                dq_step<Elem, HeadDim, Bc, KM, CW, dq_chunk(CW), LD, LDP>(sdSta, sKa, lane, row_w, col_w, gdq, dq_ld);
         }
         cur = next;
+        buf ^= Stages - 1;
     }
 
     // dK = scale * dS^T Q. Stage both tiles in sK / sV (no longer read), then store.
@@ -370,11 +385,10 @@ flash_bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int row = row0 + warp * 16 + g + 8 * hf;
-        lse2[hf] = __int_as_float(0x7f800000);
+        lse2[hf] = __int_as_float(0x7f800000);   // rows past the end: probabilities 0
         dsum[hf] = 0.f;
         if (row < p.seqlen_q) {
-            const float l = *stat_ptr<float>(p, const_cast<void*>(p.lse), b, h, row);
-            if (l != neg_inf()) lse2[hf] = l * LOG2E;
+            lse2[hf] = lse_log2(*stat_ptr<float>(p, const_cast<void*>(p.lse), b, h, row));
             dsum[hf] = *stat_ptr<float>(p, p.dsum, b, h, row);
         }
     }

@@ -98,9 +98,14 @@ template <> __device__ __forceinline__ void mma_16816<bf16>(float (&c)[4], const
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// --- cp.async: 16 bytes global -> shared, bypassing L1; src_bytes < 16 zero-fills the rest.
+// --- cp.async: 16 bytes global -> shared, bypassing L1 (and asking L2 for the whole 128-byte
+// line); src_bytes < 16 zero-fills the rest.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+// 4 bytes (lse and D rows), through L1; src_bytes 0 writes a zero.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

@@ -64,12 +64,14 @@ class BwdTile:
     br: int      # query rows per iteration
     warps: int
     atomic_only: bool = False   # spills in the deterministic variant (no dQ atomics)
-    km: int = 1  # 16-row slices of keys (and dQ rows) per warp
+    km: int = 1       # 16-row slices of keys (and dQ rows) per warp
+    stages: int = 1   # buffers of Q, dO, lse and D (2: the next step's loads under the math)
 
     def smem_bytes(self, hd):
-        tiles = (2 * self.bc + 2 * self.br) * (hd + SMEM_PAD) * 2      # K, V, Q, dO
-        p_ds = 2 * self.bc * (self.br + SMEM_PAD) * 2                  # P^T, dS^T
-        return tiles + p_ds + 2 * self.br * 4                          # lse, D rows
+        k_v = 2 * self.bc * (hd + SMEM_PAD) * 2                         # K, V
+        p_ds = 2 * self.bc * (self.br + SMEM_PAD) * 2                   # P^T, dS^T
+        stage = 2 * self.br * (hd + SMEM_PAD) * 2 + 2 * self.br * 4     # Q, dO, lse and D rows
+        return k_v + p_ds + self.stages * stage
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ _BWD = {
     32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
     64: [BwdTile(128, 128, 8, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
     96: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
-    128: [BwdTile(128, 64, 8, atomic_only=True, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8),
+    128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2),
+          BwdTile(128, 64, 8, atomic_only=True, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8),
           BwdTile(64, 32, 4)],
     160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     192: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],

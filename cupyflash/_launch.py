@@ -24,7 +24,8 @@ _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("gr
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
                       + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
-                      + [("lse", np.uint64), ("dsum", np.uint64), ("dq_accum", np.uint64)]
+                      + [("lse", np.uint64), ("dsum", np.uint64), ("dq_accum", np.uint64),
+                         ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32)]
                       + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST)], align=True)
 
 # C++ spelling of the element type of each dtype in the kernels' template names.
@@ -161,13 +162,16 @@ def forward(q, k, v, out, lse, scale, causal, block_mask=None):
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal, block_mask=None):
     """Launch the backward passes. ``dq``, ``dk``, ``dv`` and ``dsum`` are preallocated;
-    ``dq_accum`` is a zeroed fp32 buffer shaped like q, or None (deterministic / plain path)."""
+    ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or None
+    (deterministic / plain path)."""
     p = np.zeros((), BWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
         _tensor_ref(p[name], a)
     p["lse"], p["dsum"] = lse.data.ptr, dsum.data.ptr
-    p["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
+    if dq_accum is not None:
+        p["dq_accum"] = dq_accum.data.ptr
+        p["dq_accum_rows"], p["dq_accum_cols"] = dq_accum.shape[1], dq_accum.shape[3]
     _fill_dims(p, q, k, scale)
     p["vec_ok"] = _vec_ok(q, k, v, out, dout, dq, dk, dv)
     b, sq, h, d = q.shape
@@ -183,8 +187,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
                          deterministic=dq_accum is None)
         if block_mask is not None:
             _fill_lists(p, block_mask, t.br, t.bc, causal, kv=False, q=True)
-        name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, causal,
-                             dq_accum is not None)
+        name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
+                             causal, dq_accum is not None)
         _launch("bwd.cu", name, (_config.cdiv(sk, t.bc), hk, b), 32 * t.warps, t.smem_bytes(hd), p[()])
         if dq_accum is None:
             t = _config.tile("dq", hd, limit, *_tile_limits(block_mask))
@@ -204,6 +208,14 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
                 rows, threads, smem, p[()])
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, causal),
                 (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()])
+
+
+def dq_accum_shape(shape):
+    """The fp32 dQ buffer of the atomic backward: q's shape with seqlen rounded up to whole
+    mask blocks (every tile size divides them) and the head dim up to its bucket, so that the
+    kernels add whole tiles without bounds checks."""
+    b, sq, h, d = shape
+    return (b, _config.cdiv(sq, _config.MAX_BLOCK) * _config.MAX_BLOCK, h, _config.head_dim_bucket(d))
 
 
 def kernel_names(smem_limit):
@@ -228,8 +240,8 @@ def kernel_names(smem_limit):
                         "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal))
                 for t, atomic_dq in sorted(bwd, key=repr):
                     names["bwd.cu"].append(template_name(
-                        "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, causal,
-                        atomic_dq))
+                        "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
+                        causal, atomic_dq))
                 for t in sorted(dq, key=repr):
                     names["bwd.cu"].append(template_name(
                         "flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal))

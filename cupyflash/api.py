@@ -140,7 +140,7 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic, block_m
     lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
     dsum = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
     use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
-    dq_accum = cp.zeros(q.shape, cp.float32) if use_atomics else None
+    dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
     _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
                      block_mask)
     return dq, dk, dv
