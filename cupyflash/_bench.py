@@ -1012,10 +1012,11 @@ def plot(rows, path, title=""):
                          f"{'causal' if causal else 'non-causal'}", fontsize=10)
             ax.set_xlabel("seqlen (batch x seqlen = 16K tokens)")
             ax.set_ylabel("TFLOP/s")
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8, loc="lower right")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    # Leave the suptitle its own band above the first row of panels.
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
