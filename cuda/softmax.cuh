@@ -21,11 +21,14 @@ struct OnlineSoftmax {
 
     // s: scores of one key block as mma accumulators [MT][NT][4] (elements 0,1 belong to
     // row 2*mt, elements 2,3 to row 2*mt+1), replaced by the probabilities p; acc: the output
-    // accumulators [MT][DT][4], rescaled to the new max.
+    // accumulators [MT][DT][4], rescaled to the new max. Once the maxima settle, most blocks
+    // move no row max of a warp; the warp then skips the rescale, whose factors would all be 1.
     template <int MT, int NT, int DT>
     __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
                                            float scale_log2) {
         static_assert(2 * MT == Rows, "two accumulator rows per m16 tile");
+        float alpha[Rows], base[Rows];
+        bool moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -37,26 +40,32 @@ struct OnlineSoftmax {
                     mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
                 mx = quad_max(mx);
                 // A row that has seen no key yet keeps the base at 0, so exp2 gives 0, not NaN.
-                const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
-                const float alpha = fast_exp2(m[r] * scale_log2 - base);
+                base[r] = mx == neg_inf() ? 0.f : mx * scale_log2;
+                alpha[r] = fast_exp2(m[r] * scale_log2 - base[r]);
+                moved |= mx != m[r];
                 m[r] = mx;
-                l[r] *= alpha;
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc[mt][dt][2 * hf] *= alpha;
-                    acc[mt][dt][2 * hf + 1] *= alpha;
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-                    for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
-                        const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -base));
-                        s[mt][nt][e] = p;
-                        l[r] += p;
-                    }
-                }
+                l[r] *= alpha[r];
             }
         }
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[2 * mt + e / 2];
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 2 * mt + e / 2;
+                    const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -base[r]));
+                    s[mt][nt][e] = p;
+                    l[r] += p;
+                }
     }
 
     // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the
