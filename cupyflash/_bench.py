@@ -71,6 +71,7 @@ TARGET_MEMORY_VS_NAIVE = (8192, 10.0)    # (seqlen, fwd+bwd peak memory of naive
 AGREE_RTOL = 0.05
 SPIN_CYCLES_PER_MS = 2.2e6   # above any current GPU's SM clock: a spin lasts at least its ms
 PROBE_SPIN_MS = 20.0         # GPU kept busy while the queueing time of one call is measured
+MIN_SPIN_MS = 1.0            # the shortest spin queued before a timed call
 FLEX_CHECK_SEQLEN = 4096     # flex mask_mods are checked against our element masks at this size
 
 
@@ -313,14 +314,20 @@ class Timing:
         self.first_call_s = time.perf_counter() - t0     # includes compiling, if any
         for i in range(1, max(n, 1)):
             self.calls[i % len(self.calls)]()
-        # How long Python takes to queue one call, measured while the GPU is kept busy.
-        self.clock.spin(PROBE_SPIN_MS)
-        t0 = time.perf_counter()
-        self.calls[0]()
-        queue_ms = 1e3 * (time.perf_counter() - t0)
-        self.clock.synchronize()
+        # How long Python takes to queue a call, measured while the GPU is kept busy: the
+        # slowest of one call per input set. A spin shorter than a call's queueing leaves the
+        # GPU idle inside the timed window (seen on the H100: medians 2-3x the minimum in a few
+        # cells with a spin of twice one probe), hence the wide margin.
+        queue_ms = 0.0
+        for call in self.calls:
+            self.clock.spin(PROBE_SPIN_MS)
+            t0 = time.perf_counter()
+            call()
+            queue_ms = max(queue_ms, 1e3 * (time.perf_counter() - t0))
+            self.clock.synchronize()
         # A call that waits for the GPU while queueing gains nothing from a spin.
-        self.spin_ms = 0.0 if queue_ms > 0.5 * PROBE_SPIN_MS else 2.0 * queue_ms + 0.05
+        self.spin_ms = (0.0 if queue_ms > 0.5 * PROBE_SPIN_MS
+                        else max(MIN_SPIN_MS, 3.0 * queue_ms + 0.1))
 
     def before(self):
         self.clock.spin(self.spin_ms)
