@@ -1,35 +1,63 @@
-"""The NumPy mirrors of FwdParams / BwdParams agree with the C++ structs on size and every
-field offset: NVRTC compiles static_asserts generated from the NumPy dtypes."""
+"""The C++ side and the Python side agree on what they share, checked by NVRTC (no GPU
+needed) compiling the kernel sources with static_asserts generated from Python: the NumPy
+mirrors of FwdParams / BwdParams (size and every field offset), and the constants of
+cupyflash._config / _launch that the kernels repeat."""
 import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _compile  # noqa: E402
+from cupyflash import _compile, _config, _launch  # noqa: E402
 from cupyflash._launch import BLOCK_LIST, BWD_PARAMS, FWD_PARAMS, TENSOR_REF  # noqa: E402
 
 
-def _asserts(cname, dtype):
+def _compile_log(filename, asserts):
+    """None if cuda/<filename> compiles with the asserts appended, else NVRTC's log."""
+    from cupy_backends.cuda.libs import nvrtc
+    src = _compile.source(filename) + "\n" + "\n".join(asserts) + "\n"
+    prog = nvrtc.createProgram(src, filename, [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_compile.NVRTC_OPTIONS) + ["-arch=compute_80"])
+        return None
+    except nvrtc.NVRTCError:
+        return nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _layout_asserts(cname, dtype):
     lines = [f"static_assert(sizeof({cname}) == {dtype.itemsize}, \"sizeof {cname}\");"]
     for field, (fdt, offset) in dtype.fields.items():
         lines.append(f"static_assert(__builtin_offsetof({cname}, {field}) == {offset}, "
                      f"\"{cname}.{field}\");")
-    return "\n".join(lines)
+    return lines
 
 
 @pytest.mark.parametrize("cname,dtype", [("TensorRef", TENSOR_REF), ("BlockList", BLOCK_LIST),
                                          ("FwdParams", FWD_PARAMS),
                                          ("BwdParams", BWD_PARAMS)])
 def test_params_struct_layout_matches_numpy_dtype(cname, dtype):
-    from cupy_backends.cuda.libs import nvrtc
-    src = _compile.source("params.cuh") + "\n" + _asserts(cname, dtype) + "\n"
-    prog = nvrtc.createProgram(src, "layout.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, list(_compile.NVRTC_OPTIONS) + ["-arch=compute_80"])
-        except nvrtc.NVRTCError:
-            log = nvrtc.getProgramLog(prog)
-            if '"__builtin_offsetof" is undefined' in log:
-                pytest.skip("this NVRTC has no __builtin_offsetof (seen with 13.0; 13.5 has it)")
-            pytest.fail(log)
-    finally:
-        nvrtc.destroyProgram(prog)
+    log = _compile_log("params.cuh", _layout_asserts(cname, dtype))
+    if log and '"__builtin_offsetof" is undefined' in log:
+        pytest.skip("this NVRTC has no __builtin_offsetof (seen with 13.0; 13.5 has it)")
+    assert log is None, log
+
+
+def test_tile_constants():
+    log = _compile_log("common.cuh", [
+        f"static_assert(SMEM_PAD == {_config.SMEM_PAD}, \"SMEM_PAD\");",
+        f"static_assert(LOG2E == {_config.LOG2E!r}f, \"LOG2E\");",
+    ])
+    assert log is None, log
+
+
+def test_plain_kernel_constants_and_shared_memory():
+    asserts = [
+        f"static_assert(generic_impl::kWarps == {_config.GENERIC_WARPS}, \"GENERIC_WARPS\");",
+        f"static_assert(generic_impl::kChunk == {_config.GENERIC_CHUNK}, \"GENERIC_CHUNK\");",
+    ]
+    for ctype, itemsize in (("float", 4), ("double", 8)):
+        for hd in _config.HEAD_DIM_BUCKETS:
+            asserts.append(f"static_assert(generic_impl::kSmemBytes<{ctype}, {hd}> == "
+                           f"{_launch._generic_smem(hd, itemsize)}, \"smem {ctype} {hd}\");")
+    log = _compile_log("generic.cu", asserts)
+    assert log is None, log
