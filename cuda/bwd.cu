@@ -35,16 +35,39 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) 
     if (lane == 0) *stat_ptr<Acc>(p, p.dsum, b, h, row) = sum;
 }
 
-// grid (ceil(seqlen_q / 8), nheads, batch), 256 threads: one warp per query row.
+// The fp32 dQ buffer: dQ of each (batch, head) in tiles of 16 rows x 8 columns, row-major,
+// each tile in the order of an mma accumulator (register e of lane L at e * 32 + L), so that
+// the 32 lanes adding one register write 128 contiguous bytes, one memory line, where a
+// row-major buffer spreads them over 8 rows. Tile (rt, ct) of (b, h) starts at float
+// (((b * nheads + h) * (dq_accum_rows / 16) + rt) * (dq_accum_cols / 8) + ct) * DQ_TILE.
+constexpr int DQ_TILE = 16 * 8;
+
+// The thread's lane in tile (rt, 0) of (b, h).
+__device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, int b, int h, int rt, int lane) {
+    return p.dq_accum + ((static_cast<index_t>(b) * p.nheads + h) * (p.dq_accum_rows / 16) + rt)
+                        * (p.dq_accum_cols / 8) * DQ_TILE + lane;
+}
+
+// grid (ceil(seqlen_q / 16), nheads, batch), up to 256 threads, 16 x (dq_accum_cols + 1)
+// floats of shared memory: one strip of 16 rows, read in tile order, written row by row.
 template <typename Elem>
 __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const BwdParams p) {
-    const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int b = blockIdx.z, h = blockIdx.y;
-    if (row >= p.seqlen_q) return;
-    const float* acc = p.dq_accum + ((static_cast<index_t>(b) * p.dq_accum_rows + row) * p.nheads + h) * p.dq_accum_cols;
-    u16* dq = row_ptr<u16>(p.dq, b, h, row);
+    extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
+    const int b = blockIdx.z, h = blockIdx.y, row0 = blockIdx.x * 16;
+    const int cols = p.dq_accum_cols, ld = cols + 1;
+    const float* src = dq_tile_lane(p, b, h, blockIdx.x, 0);
+    for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
+        const int e = j / 32 % 4, lane = j % 32;
+        const int r = lane / 4 + (e >> 1) * 8, c = j / DQ_TILE * 8 + lane % 4 * 2 + (e & 1);
+        strip[r * ld + c] = src[j];
+    }
+    __syncthreads();
     const float scale = static_cast<float>(p.scale);
-    for (int c = lane; c < p.headdim; c += 32) ElemTraits<Elem>::store(dq + c, acc[c] * scale);
+    for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
+        const int r = j / cols, c = j % cols;
+        if (row0 + r < p.seqlen_q && c < p.headdim)
+            ElemTraits<Elem>::store(row_ptr<u16>(p.dq, b, h, row0 + r) + c, strip[r * ld + c] * scale);
+    }
 }
 
 // lse in log2 units for exp2(s * scale_log2 - lse2); a row that saw no key (lse = -inf) gets
@@ -75,12 +98,11 @@ __host__ __device__ constexpr int dq_chunk(int W) {
 }
 
 // dQ (Br x HeadDim) += dS K for one step: the warp's 16*KM rows x CW columns from col_w, CH at
-// a time, added into the fp32 buffer (scaled in bwd_convert_dq_kernel). gdq points at column
-// 2t of the thread's first row (row g of the warp's slice); the buffer is padded to whole
-// tiles, so no element needs a bounds check.
+// a time, added into the fp32 buffer (scaled in bwd_convert_dq_kernel). gdq is the thread's
+// lane in the tile of the warp's first row and column 0 (dq_tile_lane); whole tiles are
+// added, so no element needs a bounds check.
 template <typename Elem, int HeadDim, int Bc, int KM, int CW, int CH, int LD, int LDP>
-__device__ __forceinline__ void dq_step(u32 sdSta, u32 sKa, int lane, int row_w, int col_w,
-                                        float* gdq, int dq_ld) {
+__device__ __forceinline__ void dq_step(u32 sdSta, u32 sKa, int lane, int row_w, int col_w, float* gdq) {
 #pragma unroll 1
     for (int c0 = col_w; c0 < col_w + CW; c0 += CH) {
         float acc[KM][CH / 8][4];
@@ -107,13 +129,14 @@ __device__ __forceinline__ void dq_step(u32 sdSta, u32 sKa, int lane, int row_w,
                 }
             }
         }
+        float* dst = gdq + c0 / 8 * DQ_TILE;   // then constant offsets: one address for all
 #pragma unroll
         for (int km = 0; km < KM; ++km)
 #pragma unroll
             for (int i = 0; i < CH / 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    atomicAdd(gdq + (km * 16 + (e >= 2 ? 8 : 0)) * dq_ld + c0 + i * 8 + (e & 1), acc[km][i][e]);
+                    atomicAdd(dst + ((km * (HeadDim / 8) + i) * DQ_TILE + e * 32), acc[km][i][e]);
     }
 }
 
@@ -195,9 +218,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     cp_async_commit();
     int buf = 0;
 
-    // dQ: the warp's rows and columns, and rows of the padded buffer (nheads * HeadDim floats).
+    // dQ: the warp's rows and columns.
     const int row_w = (warp % RT) * 16 * KM, col_w = (warp / RT) * CW;
-    const int dq_ld = p.nheads * HeadDim;
 
     float dk[KM][DW / 8][4], dv[KM][DW / 8][4];
 #pragma unroll
@@ -221,8 +243,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const u32 sQa = smem_addr(sQ_of(buf)), sdOa = sQa + Br * LD * 2;
         const float* sLse = stats_of(buf);
         const float* sD = sLse + Br;
-        float* gdq = AtomicDQ ? p.dq_accum + ((static_cast<index_t>(b) * p.dq_accum_rows + m0 + row_w + g) * p.nheads + h) * HeadDim + 2 * t
-                              : nullptr;
+        float* gdq = AtomicDQ ? dq_tile_lane(p, b, h, (m0 + row_w) / 16, lane) : nullptr;
 
         // S^T = K Q^T and dP^T = V dO^T for the warp's 16*KM keys x QW queries.
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
@@ -283,7 +304,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         constexpr bool OwnRows = WQ == 1;
         if constexpr (AtomicDQ && Stages == 2) {
             __syncthreads();
-            dq_step<Elem, HeadDim, Bc, KM, CW, dq_chunk(CW), LD, LDP>(sdSta, sKa, lane, row_w, col_w, gdq, dq_ld);
+            dq_step<Elem, HeadDim, Bc, KM, CW, dq_chunk(CW), LD, LDP>(sdSta, sKa, lane, row_w, col_w, gdq);
         } else if constexpr (OwnRows) {
             __syncwarp();
         } else {
@@ -321,7 +342,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             if (next.hq < p.group) prefetch(next, 0);
             cp_async_commit();
             if constexpr (AtomicDQ)
-                dq_step<Elem, HeadDim, Bc, KM, CW, dq_chunk(CW), LD, LDP>(sdSta, sKa, lane, row_w, col_w, gdq, dq_ld);
+                dq_step<Elem, HeadDim, Bc, KM, CW, dq_chunk(CW), LD, LDP>(sdSta, sKa, lane, row_w, col_w, gdq);
         }
         cur = next;
         buf ^= Stages - 1;

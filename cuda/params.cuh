@@ -44,9 +44,10 @@ struct BwdParams {
     TensorRef q, k, v, o, dout, dq, dk, dv;
     const void* lse;     // (batch, nheads, seqlen_q), natural log, from the forward
     void* dsum;          // D = rowsum(dout * out), (batch, nheads, seqlen_q); lse's dtype
-    float* dq_accum;     // fp32 dQ, (batch, dq_accum_rows, nheads, dq_accum_cols) contiguous,
-                         // rows and columns padded to whole tiles so that the atomics need no
-                         // bounds checks; null when dQ has its own query-block-parallel pass
+    float* dq_accum;     // fp32 dQ in mma-ordered tiles (bwd.cu, DQ_TILE), (batch, nheads,
+                         // dq_accum_rows, dq_accum_cols) floats; rows and columns padded to
+                         // whole tiles so that the atomics need no bounds checks; null when dQ
+                         // has its own query-block-parallel pass
     int dq_accum_rows, dq_accum_cols;
     int batch, nheads, nheads_k, group;
     int seqlen_q, seqlen_k, headdim;

@@ -28,6 +28,9 @@ BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq
                          ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32)]
                       + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST)], align=True)
 
+# Threads of bwd_convert_dq_kernel (up to its launch bound, 256: its loops stride by blockDim).
+DQ_CONVERT_THREADS = 256
+
 # C++ spelling of the element type of each dtype in the kernels' template names.
 ELEM = {"float16": "fp16", "bfloat16": "bf16", "float32": "float", "float64": "double"}
 TENSOR_CORE = ("float16", "bfloat16")
@@ -171,7 +174,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
     p["lse"], p["dsum"] = lse.data.ptr, dsum.data.ptr
     if dq_accum is not None:
         p["dq_accum"] = dq_accum.data.ptr
-        p["dq_accum_rows"], p["dq_accum_cols"] = dq_accum.shape[1], dq_accum.shape[3]
+        p["dq_accum_rows"], p["dq_accum_cols"] = dq_accum.shape[2:]
     _fill_dims(p, q, k, scale)
     p["vec_ok"] = _vec_ok(q, k, v, out, dout, dq, dk, dv)
     b, sq, h, d = q.shape
@@ -197,8 +200,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
             name = template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal)
             _launch("bwd.cu", name, (_config.cdiv(sq, t.br), h, b), 32 * t.warps, t.smem_bytes(hd), p[()])
         else:
-            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), rows,
-                    32 * _config.GENERIC_WARPS, 0, p[()])
+            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), (_config.cdiv(sq, 16), h, b),
+                    DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
     else:
         if block_mask is not None:
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=True)
@@ -211,11 +214,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
 
 
 def dq_accum_shape(shape):
-    """The fp32 dQ buffer of the atomic backward: q's shape with seqlen rounded up to whole
-    mask blocks (every tile size divides them) and the head dim up to its bucket, so that the
-    kernels add whole tiles without bounds checks."""
+    """The fp32 dQ buffer of the atomic backward, (batch, nheads, rows, cols) floats in the
+    tile order of bwd.cu: seqlen rounded up to whole mask blocks (every tile size divides
+    them) and the head dim up to its bucket, so that the kernels add whole tiles without
+    bounds checks."""
     b, sq, h, d = shape
-    return (b, _config.cdiv(sq, _config.MAX_BLOCK) * _config.MAX_BLOCK, h, _config.head_dim_bucket(d))
+    return (b, h, _config.cdiv(sq, _config.MAX_BLOCK) * _config.MAX_BLOCK, _config.head_dim_bucket(d))
 
 
 def kernel_names(smem_limit):
