@@ -14,8 +14,9 @@ from cupyflash import _bench, _config
 
 B = _config.BwdTile
 CANDIDATES = {
-    ("bwd", 64): [B(128, 128, 8, km=2), B(128, 128, 8, km=2, stages=2), B(128, 64, 8, km=2, stages=2)],
-    ("bwd", 128): [B(128, 64, 8, km=2), B(128, 64, 8, km=2, stages=2)],
+    ("bwd", 64): [B(128, 128, 8, km=2), B(128, 128, 8, km=2, stages=2), B(128, 64, 8, km=2, stages=2),
+                  B(128, 64, 8, km=2)],
+    ("bwd", 128): [B(128, 64, 8, km=2, stages=2), B(128, 64, 8, km=2)],
 }
 TABLES = {"fwd": _config._FWD, "bwd": _config._BWD}
 

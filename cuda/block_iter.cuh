@@ -13,6 +13,29 @@ __device__ __forceinline__ bool pair_needs_mask(int row0, int col0, int Bc, int 
     return col0 + Bc > key_end<Causal>(row0, seqlen_q, seqlen_k);
 }
 
+// Where a thread block works: its tile (query tile of the forward and dQ passes, key tile of
+// the dK/dV pass) and its head and batch.
+struct BlockCoord { int tile, head, batch; };
+
+// Blocks start in the order of blockIdx.x, then y, then z. Non-causal passes launch a grid of
+// (tiles, heads, batch): the tiles of a head run together and share its tensors in L2. In a
+// causal pass tiles differ in length, and a long one that starts last runs alone at the end;
+// those passes launch a 1-D grid that walks tiles from the longest (`longest_first` maps the
+// walk to tile indices) over groups of p.launch_group (head, batch) pairs, so that all long
+// tiles of a group start before its short ones.
+template <bool Causal, typename Params, typename LongestFirst>
+__device__ __forceinline__ BlockCoord block_coord(const Params& p, int heads, int tiles, LongestFirst longest_first) {
+    if constexpr (!Causal) {
+        return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+    } else {
+        const int per_group = p.launch_group * tiles;
+        const int gi = blockIdx.x / per_group, within = blockIdx.x % per_group;
+        const int size = min(p.launch_group, heads * p.batch - gi * p.launch_group);
+        const int hb = gi * p.launch_group + within % size;
+        return {longest_first(within / size), hb % heads, hb / heads};
+    }
+}
+
 struct KeyBlocks {
     const int* idx;     // the sparse list, or null
     int count;          // blocks to visit

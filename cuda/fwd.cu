@@ -25,10 +25,11 @@ flash_fwd_kernel(const FwdParams p) {
     u16* sK = sQ + Br * LD;
     u16* sV = sK + Bc * LD;
 
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
-    // Causal: the last query blocks see the most keys, so they are launched first and the
-    // short ones fill the tail.
-    const int qblock = Causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    // Causal: the last query blocks see the most keys.
+    const int n_tiles = (p.seqlen_q + Br - 1) / Br;
+    const BlockCoord at = block_coord<Causal>(p, p.nheads, n_tiles, [&](int i) { return n_tiles - 1 - i; });
+    const int b = at.batch, h = at.head, hk = h / p.group;
+    const int qblock = at.tile;
     const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;        // mma accumulator: row g (and g+8), columns 2t, 2t+1

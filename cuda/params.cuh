@@ -35,6 +35,8 @@ struct FwdParams {
     int batch, nheads, nheads_k, group;   // group = nheads / nheads_k (GQA)
     int seqlen_q, seqlen_k, headdim;
     int vec_ok;          // every row start is 16-byte aligned: 16-byte vector loads allowed
+    int launch_group;    // causal tensor-core passes: (head, batch) pairs per launch group
+                         // (block_coord in block_iter.cuh)
     double scale;        // softmax scale applied to q.k (double for the float64 path)
     float scale_log2;    // scale * log2(e): the fp16/bf16/fp32 kernels work in base 2
     BlockList kv_blocks; // per query tile, the key tiles to visit
@@ -52,6 +54,7 @@ struct BwdParams {
     int batch, nheads, nheads_k, group;
     int seqlen_q, seqlen_k, headdim;
     int vec_ok;
+    int launch_group;
     double scale;
     float scale_log2;
     BlockList kv_blocks; // per query tile, the key tiles to visit (dQ pass)
