@@ -17,23 +17,21 @@ __device__ __forceinline__ bool pair_needs_mask(int row0, int col0, int Bc, int 
 // the dK/dV pass) and its head and batch.
 struct BlockCoord { int tile, head, batch; };
 
-// Blocks start in the order of blockIdx.x, then y, then z. Non-causal passes launch a grid of
-// (tiles, heads, batch): the tiles of a head run together and share its tensors in L2. In a
+// Blocks start in the order of blockIdx.x, then y, then z. With p.launch_group == 0 the grid
+// is (tiles, heads, batch): the tiles of a head run together and share its tensors in L2. In a
 // causal pass tiles differ in length, and a long one that starts last runs alone at the end;
-// those passes launch a 1-D grid that walks tiles from the longest (`longest_first` maps the
-// walk to tile indices) over groups of p.launch_group (head, batch) pairs, so that all long
-// tiles of a group start before its short ones.
+// so a causal pass launches (launch_group, tiles, groups) where it can: the (head, batch)
+// pairs of a group run x-fastest and every long tile of the group starts before its short
+// ones. `longest_first` maps launch order to tile index. The last group may be short:
+// a block with batch >= p.batch has no work.
 template <bool Causal, typename Params, typename LongestFirst>
-__device__ __forceinline__ BlockCoord block_coord(const Params& p, int heads, int tiles, LongestFirst longest_first) {
-    if constexpr (!Causal) {
-        return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
-    } else {
-        const int per_group = p.launch_group * tiles;
-        const int gi = blockIdx.x / per_group, within = blockIdx.x % per_group;
-        const int size = min(p.launch_group, heads * p.batch - gi * p.launch_group);
-        const int hb = gi * p.launch_group + within % size;
-        return {longest_first(within / size), hb % heads, hb / heads};
+__device__ __forceinline__ BlockCoord block_coord(const Params& p, int heads, LongestFirst longest_first) {
+    if (!Causal || p.launch_group == 0) {
+        const int x = blockIdx.x;
+        return {Causal ? longest_first(x) : x, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
     }
+    const int hb = blockIdx.z * p.launch_group + blockIdx.x;
+    return {longest_first(static_cast<int>(blockIdx.y)), hb % heads, hb / heads};
 }
 
 struct KeyBlocks {

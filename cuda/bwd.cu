@@ -218,7 +218,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     auto stats_of = [&](int buf) { return reinterpret_cast<float*>(stage0 + buf * STAGE + 2 * Br * LD * 2); };
 
     // Causal: the first key blocks are seen by the most queries.
-    const BlockCoord at = block_coord<Causal>(p, p.nheads_k, (p.seqlen_k + Bc - 1) / Bc, [](int i) { return i; });
+    const BlockCoord at = block_coord<Causal>(p, p.nheads_k, [](int i) { return i; });
+    if (at.batch >= p.batch) return;
     const int b = at.batch, hk = at.head, n_tile = at.tile;
     const int col0 = n_tile * Bc;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -432,7 +433,8 @@ flash_bwd_dq_kernel(const BwdParams p) {
     u16* sV = sK + Bc * LD;
 
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;   // as in the forward
-    const BlockCoord at = block_coord<Causal>(p, p.nheads, n_tiles, [&](int i) { return n_tiles - 1 - i; });
+    const BlockCoord at = block_coord<Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
+    if (at.batch >= p.batch) return;
     const int b = at.batch, h = at.head, hk = h / p.group;
     const int qblock = at.tile;
     const int row0 = qblock * Br;

@@ -27,7 +27,8 @@ flash_fwd_kernel(const FwdParams p) {
 
     // Causal: the last query blocks see the most keys.
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;
-    const BlockCoord at = block_coord<Causal>(p, p.nheads, n_tiles, [&](int i) { return n_tiles - 1 - i; });
+    const BlockCoord at = block_coord<Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
+    if (at.batch >= p.batch) return;
     const int b = at.batch, h = at.head, hk = h / p.group;
     const int qblock = at.tile;
     const int row0 = qblock * Br;

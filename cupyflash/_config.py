@@ -97,7 +97,7 @@ _FWD = {
 }
 _BWD = {
     32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
-    64: [BwdTile(128, 128, 8, km=2, stages=2), BwdTile(128, 128, 8, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
+    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2), BwdTile(128, 128, 8, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
     96: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2),
           BwdTile(128, 64, 8, atomic_only=True, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8),

@@ -30,8 +30,11 @@ BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq
 
 # Causal passes: tiles per launch group, in multiples of the SM count (see _tile_grid). With 8,
 # a simulation of greedy block scheduling (tile lengths of causal attention, 132 SMs, seqlen
-# 512-16K) loses at most 1.5% to the best order; one (head, batch) pair per group lost up to 7%.
+# 512-16K) loses at most 1.5% to the best order, where one (head, batch) pair per group loses
+# up to 7%; on the H100 it beat 1, 2 and 4 waves and one group of all pairs (which lost up to
+# 9% at seqlen 1K-2K: each head's K and V were read from memory once per tile).
 LAUNCH_GROUP_WAVES = 8
+MAX_GRID_YZ = 65535   # CUDA's limit on gridDim.y and gridDim.z
 
 # Threads of bwd_convert_dq_kernel (up to its launch bound, 256: its loops stride by blockDim).
 DQ_CONVERT_THREADS = 256
@@ -101,14 +104,19 @@ def _generic_smem(d_bucket, itemsize):
 
 def _tile_grid(p, tiles, heads, batch, causal):
     """The grid of a tensor-core pass over tiles x heads x batch (block_coord in
-    cuda/block_iter.cuh). A causal pass gets a 1-D grid that starts the long tiles of a group
-    of (head, batch) pairs before its short ones; a group holds enough tiles to fill every SM
-    LAUNCH_GROUP_WAVES times (fewer pairs per group keep more of a head's data in L2 while
-    its tiles run, more spread the long tiles better)."""
+    cuda/block_iter.cuh). A causal pass gets (group, tiles, groups), which starts the long
+    tiles of a group of (head, batch) pairs before its short ones; a group holds enough tiles
+    to fill every SM LAUNCH_GROUP_WAVES times (fewer pairs per group keep more of a head's
+    data in L2 while its tiles run, more spread the long tiles better)."""
+    p["launch_group"] = 0
     if not causal:
         return (tiles, heads, batch)
-    p["launch_group"] = min(heads * batch, _config.cdiv(LAUNCH_GROUP_WAVES * _sm_count(), tiles))
-    return (tiles * heads * batch, 1, 1)
+    pairs = heads * batch
+    group = min(pairs, _config.cdiv(LAUNCH_GROUP_WAVES * _sm_count(), tiles))
+    if max(tiles, _config.cdiv(pairs, group)) > MAX_GRID_YZ:
+        return (tiles, heads, batch)
+    p["launch_group"] = group
+    return (group, tiles, _config.cdiv(pairs, group))
 
 
 def _sm_count():
