@@ -112,11 +112,15 @@ def _tile_grid(p, tiles, heads, batch, causal):
     if not causal:
         return (tiles, heads, batch)
     pairs = heads * batch
-    group = min(pairs, _config.cdiv(LAUNCH_GROUP_WAVES * _sm_count(), tiles))
+    group = _launch_group(pairs, tiles)
     if max(tiles, _config.cdiv(pairs, group)) > MAX_GRID_YZ:
         return (tiles, heads, batch)
     p["launch_group"] = group
     return (group, tiles, _config.cdiv(pairs, group))
+
+
+def _launch_group(pairs, tiles):
+    return min(pairs, _config.cdiv(LAUNCH_GROUP_WAVES * _sm_count(), tiles))
 
 
 def _sm_count():

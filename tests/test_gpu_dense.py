@@ -13,6 +13,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 import cupyflash as cf  # noqa: E402
+from cupyflash import _launch  # noqa: E402
 
 try:
     from gpu_checks import (DTYPES, HALF, assert_bit_identical_grads,  # noqa: E402
@@ -71,6 +72,17 @@ def _main_cases():
 def test_forward_backward_match_reference(case, request):
     q, k, v, dout = make_inputs(case, seed_of(request))
     run_and_check(case, q, k, v, dout)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", HALF)
+def test_causal_launch_groups_with_a_short_last_group(dtype, deterministic, request, monkeypatch):
+    """Causal passes start their (head, batch) pairs in groups (_launch._tile_grid); in groups
+    of 4 over 2 x 3 pairs the last group is short, and its spare blocks must write nothing."""
+    monkeypatch.setattr(_launch, "_launch_group", lambda pairs, tiles: min(pairs, 4))
+    case = Case(dtype, 300, 300, 64, True, 2, 3, 3)
+    q, k, v, dout = make_inputs(case, seed_of(request))
+    run_and_check(case, q, k, v, dout, deterministic=deterministic)
 
 
 def _head_layout_cases():
