@@ -71,14 +71,22 @@ def _fill_dims(p, q, k, scale):
 
 
 def _smem_limit():
+    return _device_attribute("MaxSharedMemoryPerBlockOptin")
+
+
+def _sm_count():
+    return _device_attribute("MultiProcessorCount")
+
+
+def _device_attribute(name):
     import cupy
-    return _smem_limit_of(cupy.cuda.Device().id)
+    return _attribute_of(cupy.cuda.Device().id, name)
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_limit_of(device_id):
+def _attribute_of(device_id, name):
     import cupy
-    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    return cupy.cuda.Device(device_id).attributes[name]
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,17 +129,6 @@ def _tile_grid(p, tiles, heads, batch, causal):
 
 def _launch_group(pairs, tiles):
     return min(pairs, _config.cdiv(LAUNCH_GROUP_WAVES * _sm_count(), tiles))
-
-
-def _sm_count():
-    import cupy
-    return _sm_count_of(cupy.cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(device_id):
-    import cupy
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 def _tile_limits(block_mask):
