@@ -1,6 +1,6 @@
 """Tile-table tuning: time candidate tiles of the tensor-core kernels side by side.
 
-    python benchmarks/tune.py --out DIR [--headdims 64 128] [--seqlen 8192]
+    python benchmarks/tune.py --out DIR [--headdims 64 128] [--seqlen 8192] [--passes fwd bwd]
 
 For each head dim and pass, every candidate tile replaces the table's entry in turn
 (cupyflash._config), and ours is timed with cupyflash._bench (bf16, 2048/headdim heads,
@@ -12,8 +12,10 @@ from pathlib import Path
 
 from cupyflash import _bench, _config
 
-B = _config.BwdTile
+B, F = _config.BwdTile, _config.FwdTile
 CANDIDATES = {
+    ("fwd", 64): [F(128, 64, 4), F(128, 128, 4), F(128, 128, 8), F(64, 64, 4)],
+    ("fwd", 128): [F(128, 64, 4), F(128, 32, 4), F(128, 64, 8), F(64, 64, 4)],
     ("bwd", 64): [B(128, 128, 8, km=2), B(128, 128, 8, km=2, stages=2), B(128, 64, 8, km=2, stages=2),
                   B(128, 64, 8, km=2)],
     ("bwd", 128): [B(128, 64, 8, km=2, stages=2), B(128, 64, 8, km=2)],
@@ -27,10 +29,11 @@ def main():
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--passes", nargs="+", default=["fwd", "bwd"])
     args = ap.parse_args()
     rows = []
     for (pass_, hd), tiles in CANDIDATES.items():
-        if hd not in args.headdims:
+        if hd not in args.headdims or pass_ not in args.passes:
             continue
         table = TABLES[pass_]
         kept = table[hd]

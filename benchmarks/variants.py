@@ -1,12 +1,14 @@
 """A/B timing of kernel source trees: the same cases timed with cuda/ and with edited copies.
 
     python benchmarks/variants.py --out DIR base=cuda v1=exp/v1 [--headdims 128] [--flash]
+                                  [--waves 2 8] [--causal-only]
 
 Each NAME=DIR replaces the directory the kernels are compiled from (cupyflash._compile) and
 times ours (bf16, 2048/headdim heads, 16K tokens, causal and not) with cupyflash._bench;
 ``--flash`` adds SDPA flash on the same cases. Every variant's kernels are compiled first in
 parallel processes into CuPy's disk cache; the variants are then timed in turn, twice, so
-that drift of the GPU shows as a difference between the two rounds. Writes DIR/variants.json
+that drift of the GPU shows as a difference between the two rounds. ``--waves`` times each tree
+with each given launch-group size of the causal passes (``_launch.LAUNCH_GROUP_WAVES``). Writes DIR/variants.json
 and prints a table.
 """
 import argparse
@@ -60,6 +62,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--passes", nargs="+", default=list(PASSES))
     ap.add_argument("--flash", action="store_true")
+    ap.add_argument("--waves", type=int, nargs="+", default=[_launch.LAUNCH_GROUP_WAVES])
+    ap.add_argument("--causal-only", action="store_true")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in args.trees)
 
@@ -71,14 +75,17 @@ def main():
 
     rows = []
     for rnd in range(2):
-        for name, tree in trees.items():
+        for (name, tree), waves in ((t, w) for t in trees.items() for w in args.waves):
             use_tree(tree)
+            _launch.LAUNCH_GROUP_WAVES = waves
+            if len(args.waves) > 1:
+                name = f"{name}/w{waves}"
             for hd in args.headdims:
-                for causal in (False, True):
+                for causal in (True,) if args.causal_only else (False, True):
                     case = _bench.Case.dense(args.seqlen, hd, causal)
                     sets = _bench.input_sets(case)
                     runners = [_bench.Ours(case, sets)]
-                    if args.flash and rnd == 0 and name == next(iter(trees)):
+                    if args.flash and rnd == 0 and tree == next(iter(trees.values())) and waves == args.waves[0]:
                         runners.append(_bench.make_runner("sdpa_flash", case, sets))
                     for runner in runners:
                         for pass_ in args.passes:

@@ -17,7 +17,14 @@ __device__ __forceinline__ Acc* stat_ptr(const BwdParams& p, void* base, int b, 
     return static_cast<Acc*>(base) + (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + row;
 }
 
-// grid (ceil(seqlen_q / 8), nheads, batch), 256 threads: one warp per query row.
+// lse in log2 units for exp2(s * scale_log2 - lse2); a row that saw no key (lse = -inf) gets
+// +inf, so that its probabilities are exactly 0.
+__device__ __forceinline__ float lse_log2(float lse) {
+    return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
+}
+
+// grid (ceil(seqlen_q / 8), nheads, batch), 256 threads: one warp per query row. Writes D, and
+// for the tensor-core passes lse in log2 units (the plain kernels convert lse themselves).
 template <typename Elem>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) {
     typedef ElemTraits<Elem> Tr;
@@ -32,7 +39,11 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) 
     for (int c = lane; c < p.headdim; c += 32) sum += Tr::load(o + c) * Tr::load(dout + c);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) *stat_ptr<Acc>(p, p.dsum, b, h, row) = sum;
+    if (lane == 0) {
+        *stat_ptr<Acc>(p, p.dsum, b, h, row) = sum;
+        if constexpr (sizeof(S) == 2)
+            *stat_ptr<float>(p, p.lse_log2, b, h, row) = lse_log2(*stat_ptr<const float>(p, const_cast<void*>(p.lse), b, h, row));
+    }
 }
 
 // The fp32 dQ buffer: dQ of each (batch, head) in tiles of 16 rows x 8 columns, row-major,
@@ -70,13 +81,7 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const BwdParams p) 
     }
 }
 
-// lse in log2 units for exp2(s * scale_log2 - lse2); a row that saw no key (lse = -inf) gets
-// +inf, so that its probabilities are exactly 0.
-__device__ __forceinline__ float lse_log2(float lse) {
-    return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
-}
-
-// lse (natural log, as stored) and D of rows [row0, row0 + Rows) into sStats[0, Rows) and
+// lse (log2 units) and D of rows [row0, row0 + Rows) into sStats[0, Rows) and
 // sStats[Rows, 2 Rows) by cp.async, so that the loads land under the math; rows past the end
 // read 0, harmless since their dO rows are zero.
 template <int Rows, int Threads>
@@ -85,7 +90,7 @@ __device__ __forceinline__ void load_row_stats(const BwdParams& p, float* sStats
     const int r = threadIdx.x % Rows, row = row0 + r;
     const bool in = row < p.seqlen_q;
     if (threadIdx.x < 2 * Rows) {
-        const float* src = stat_ptr<float>(p, threadIdx.x < Rows ? const_cast<void*>(p.lse) : p.dsum,
+        const float* src = stat_ptr<float>(p, threadIdx.x < Rows ? p.lse_log2 : p.dsum,
                                             b, h, in ? row : 0);
         cp_async_4(smem_addr(sStats + threadIdx.x), src, in ? 4 : 0);
     }
@@ -140,21 +145,23 @@ __device__ __forceinline__ void dq_step(u32 sdSta, u32 sKa, int lane, int row_w,
     }
 }
 
-// acc = A B^T over HeadDim, for the warp's 16*KM rows of A from row a0 and QW rows of B from
-// row b0 (row-major shared-memory tiles of stride LD): S^T = K Q^T, dP^T = V dO^T. With Second,
-// acc2 = A2 B2^T in the same loop.
+// acc = A B^T - c over HeadDim, for the warp's 16*KM rows of A from row a0 and QW rows of B
+// from row b0 (row-major shared-memory tiles of stride LD), c[j] subtracted from column j
+// (B row b0 + j; none where c is null): S^T = K Q^T, dP^T - D = V dO^T - D. With Second,
+// acc2 = A2 B2^T - c2 in the same loop.
 template <typename Elem, int HeadDim, int KM, int QW, int LD, bool Second>
-__device__ __forceinline__ void rows_times_rows(float (&acc)[KM][QW / 8][4], u32 sA, u32 sB,
-                                                float (&acc2)[KM][QW / 8][4], u32 sA2, u32 sB2,
+__device__ __forceinline__ void rows_times_rows(float (&acc)[KM][QW / 8][4], u32 sA, u32 sB, const float* c,
+                                                float (&acc2)[KM][QW / 8][4], u32 sA2, u32 sB2, const float* c2,
                                                 int a0, int b0, int lane) {
+    const int t = lane % 4;
 #pragma unroll
     for (int km = 0; km < KM; ++km)
 #pragma unroll
         for (int i = 0; i < QW / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                acc[km][i][e] = 0.f;
-                if constexpr (Second) acc2[km][i][e] = 0.f;
+                acc[km][i][e] = c ? -c[b0 + i * 8 + 2 * t + (e & 1)] : 0.f;
+                if constexpr (Second) acc2[km][i][e] = c2 ? -c2[b0 + i * 8 + 2 * t + (e & 1)] : 0.f;
             }
 #pragma unroll
     for (int ks = 0; ks < HeadDim / 16; ++ks) {
@@ -276,8 +283,15 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) { dk[km][i][e] = 0.f; dv[km][i][e] = 0.f; }
 
+    // Fused: S^T and dP^T products in one loop (causal), or S^T first, its exponentials
+    // issuing under the dP^T products. SubD: D starts the dP^T sums (dpt = dP^T - D), which
+    // saves one FADD per element: 3-4% faster at d=64, and at d=128 slower.
+    constexpr bool Fused = Causal, SubD = HeadDim <= 64;
     while (cur.hq < p.group) {
-        const int h = hk * p.group + cur.hq;
+        // The query head, for the dQ pointer below. Where ptxas sees it computed decides its
+        // register allocation at the 255-register limit: at the top of the step it is 3% faster
+        // at d=128, and spilled (4 bytes) at d=64, where it is computed after the wait instead.
+        const int h_top = hk * p.group + cur.hq;
         const int m0 = cur.qb.block(cur.it) * Br;
         const bool masked = cur.qb.template needs_mask<Causal>(cur.it, Br, Bc, col0, p.seqlen_q, p.seqlen_k);
         const Step next = settle(Step{cur.hq, cur.it + 1, cur.qb});
@@ -288,22 +302,20 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             cp_async_commit();
         }
         const u32 sQa = smem_addr(sQ_of(buf)), sdOa = sQa + Br * LD * 2;
-        const float* sLse = stats_of(buf);
-        const float* sD = sLse + Br;
-        float* gdq = AtomicDQ ? dq_tile_lane(p, b, h, (m0 + row_w) / 16, lane) : nullptr;
+        float* gdq = AtomicDQ ? dq_tile_lane(p, b, SubD ? hk * p.group + cur.hq : h_top, (m0 + row_w) / 16, lane) : nullptr;
+        const float* sLse2 = stats_of(buf);
+        const float* sD = sLse2 + Br;
 
         // S^T = K Q^T and dP^T = V dO^T for the warp's 16*KM keys x QW queries. Without a
         // causal mask S^T comes first, and its exponentials issue in the shadow of the dP^T
         // products (+5% at d=128); with one, both products in one loop were as fast and spill
         // nothing at d=64.
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
-        constexpr bool Fused = Causal;
-        rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, dpt, sVa, sdOa, key0, qw * QW, lane);
-        // Hidden keys. The causal test depends on the row, so it runs only in diagonal blocks,
-        // behind a block-uniform branch, setting S = -inf (exp2 then gives exactly 0): inline,
-        // it cost the causal pass 10%. The test for keys past seqlen_k is one compare per key
-        // and stays inline, where it leaves the exponentials free to overlap the S^T products
-        // (behind the branch, the non-causal pass lost 3%).
+        const float* dInit = SubD ? sD : nullptr;
+        rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, nullptr, dpt, sVa, sdOa, dInit, key0, qw * QW, lane);
+        // Causal: the test depends on the row, so it runs only in diagonal blocks, behind a
+        // block-uniform branch, setting S = -inf (exp2 then gives exactly 0): inline, it cost
+        // the causal pass 10%.
         if (Causal && masked) {
 #pragma unroll
             for (int km = 0; km < KM; ++km)
@@ -323,11 +335,11 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = col0 + key0 + km * 16 + g + (e >= 2 ? 8 : 0);
-                    const float pv = fast_exp2(fmaf(st[km][nt][e], scale_log2, -lse_log2(sLse[qw * QW + nt * 8 + 2 * t + (e & 1)])));
+                    const float pv = fast_exp2(fmaf(st[km][nt][e], scale_log2, -sLse2[qw * QW + nt * 8 + 2 * t + (e & 1)]));
                     st[km][nt][e] = !Causal && masked && key >= p.seqlen_k ? 0.f : pv;
                 }
         if constexpr (!Fused)
-            rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, dpt, 0, 0, key0, qw * QW, lane);
+            rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, dInit, dpt, 0, 0, nullptr, key0, qw * QW, lane);
 
         // dS^T = P^T (dP^T - D); P^T and dS^T go through shared memory (keeping P^T in
         // registers spills at head dim 128).
@@ -337,7 +349,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         for (int nt = 0; nt < QW / 8; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                dpt[km][nt][e] = st[km][nt][e] * (dpt[km][nt][e] - sD[qw * QW + nt * 8 + 2 * t + (e & 1)]);
+                dpt[km][nt][e] = st[km][nt][e] * (SubD ? dpt[km][nt][e] : dpt[km][nt][e] - sD[qw * QW + nt * 8 + 2 * t + (e & 1)]);
             const int c = qw * QW + nt * 8 + 2 * t;
             const int r = key0 + km * 16 + g;
             *reinterpret_cast<u32*>(sPt + r * LDP + c) = pack2<Elem>(st[km][nt][0], st[km][nt][1]);
@@ -458,7 +470,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
         lse2[hf] = __int_as_float(0x7f800000);   // rows past the end: probabilities 0
         dsum[hf] = 0.f;
         if (row < p.seqlen_q) {
-            lse2[hf] = lse_log2(*stat_ptr<float>(p, const_cast<void*>(p.lse), b, h, row));
+            lse2[hf] = *stat_ptr<float>(p, p.lse_log2, b, h, row);
             dsum[hf] = *stat_ptr<float>(p, p.dsum, b, h, row);
         }
     }

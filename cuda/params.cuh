@@ -46,6 +46,9 @@ struct BwdParams {
     TensorRef q, k, v, o, dout, dq, dk, dv;
     const void* lse;     // (batch, nheads, seqlen_q), natural log, from the forward
     void* dsum;          // D = rowsum(dout * out), (batch, nheads, seqlen_q); lse's dtype
+    void* lse_log2;      // lse * log2(e), +inf for a row without keys (its probabilities are
+                         // then exactly 0); lse's shape and dtype. Written with D by
+                         // bwd_preprocess_kernel, so that the passes exponentiate with one FMA
     float* dq_accum;     // fp32 dQ in mma-ordered tiles (bwd.cu, DQ_TILE), (batch, nheads,
                          // dq_accum_rows, dq_accum_cols) floats; rows and columns padded to
                          // whole tiles so that the atomics need no bounds checks; null when dQ

@@ -24,7 +24,7 @@ _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("gr
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
                       + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
-                      + [("lse", np.uint64), ("dsum", np.uint64), ("dq_accum", np.uint64),
+                      + [("lse", np.uint64), ("dsum", np.uint64), ("lse_log2", np.uint64), ("dq_accum", np.uint64),
                          ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32)]
                       + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST)], align=True)
 
@@ -201,15 +201,16 @@ def forward(q, k, v, out, lse, scale, causal, block_mask=None):
                 32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()])
 
 
-def backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal, block_mask=None):
-    """Launch the backward passes. ``dq``, ``dk``, ``dv`` and ``dsum`` are preallocated;
+def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, causal, block_mask=None):
+    """Launch the backward passes. ``dq``, ``dk``, ``dv`` and ``stats`` (D and lse in log2
+    units, ``(2,) + lse.shape`` in lse's dtype, written by the first pass) are preallocated;
     ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or None
     (deterministic / plain path)."""
     p = np.zeros((), BWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
         _tensor_ref(p[name], a)
-    p["lse"], p["dsum"] = lse.data.ptr, dsum.data.ptr
+    p["lse"], p["dsum"], p["lse_log2"] = lse.data.ptr, stats[0].data.ptr, stats[1].data.ptr
     if dq_accum is not None:
         p["dq_accum"] = dq_accum.data.ptr
         p["dq_accum_rows"], p["dq_accum_cols"] = dq_accum.shape[2:]

@@ -138,9 +138,9 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic, block_m
     dv = cp.empty(v.shape, v.dtype)
     # The kernels read lse in its own dtype: a float32 lse given with float64 inputs is widened.
     lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
-    dsum = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
+    stats = cp.empty((2, b, h, sq), _config.lse_dtype(q.dtype))   # D and lse in log2 units
     use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
     dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
-    _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, dsum, dq_accum, scale, causal,
+    _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, causal,
                      block_mask)
     return dq, dk, dv
