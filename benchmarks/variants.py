@@ -75,17 +75,17 @@ def main():
 
     rows = []
     for rnd in range(2):
-        for (name, tree), waves in ((t, w) for t in trees.items() for w in args.waves):
+        runs = [(name, tree, waves) for name, tree in trees.items() for waves in args.waves]
+        for k, (name, tree, waves) in enumerate(runs):
             use_tree(tree)
             _launch.LAUNCH_GROUP_WAVES = waves
-            if len(args.waves) > 1:
-                name = f"{name}/w{waves}"
+            label = f"{name}/w{waves}" if len(args.waves) > 1 else name
             for hd in args.headdims:
                 for causal in (True,) if args.causal_only else (False, True):
                     case = _bench.Case.dense(args.seqlen, hd, causal)
                     sets = _bench.input_sets(case)
                     runners = [_bench.Ours(case, sets)]
-                    if args.flash and rnd == 0 and tree == next(iter(trees.values())) and waves == args.waves[0]:
+                    if args.flash and rnd == 0 and k == 0:   # the peer once, beside the first run
                         runners.append(_bench.make_runner("sdpa_flash", case, sets))
                     for runner in runners:
                         for pass_ in args.passes:
@@ -93,7 +93,7 @@ def main():
                                 row = _bench.measure(runner, pass_, args.reps, memory=False)
                             except Exception as e:
                                 row = _bench.failed_row(case, runner.impl, pass_, e)
-                            row["variant"] = name if runner.impl == "cupyflash" else runner.impl
+                            row["variant"] = label if runner.impl == "cupyflash" else runner.impl
                             row["round"] = rnd
                             rows.append(row)
                             print(_bench.progress_line(row), row["variant"], rnd, flush=True)
