@@ -23,14 +23,20 @@ __device__ __forceinline__ float lse_log2(float lse) {
     return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
 }
 
-// grid (ceil(seqlen_q / 8), nheads, batch), 256 threads: one warp per query row. Writes D, and
-// for the tensor-core passes lse in log2 units (the plain kernels convert lse themselves).
+// Warps (rows) per block of bwd_preprocess_kernel, and the largest block of
+// bwd_convert_dq_kernel (its loops stride by blockDim): the host launches them with
+// _config.GENERIC_WARPS and _launch.DQ_CONVERT_THREADS (tests/test_params.py checks both).
+constexpr int PREPROCESS_WARPS = 8;
+constexpr int DQ_CONVERT_THREADS = 256;
+
+// grid (ceil(seqlen_q / PREPROCESS_WARPS), nheads, batch), one warp per query row. Writes D,
+// and for the tensor-core passes lse in log2 units (the plain kernels convert lse themselves).
 template <typename Elem>
-__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(PREPROCESS_WARPS * 32) bwd_preprocess_kernel(const BwdParams p) {
     typedef ElemTraits<Elem> Tr;
     typedef typename Tr::storage S;
     typedef typename Tr::acc Acc;
-    const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * PREPROCESS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int b = blockIdx.z, h = blockIdx.y;
     if (row >= p.seqlen_q) return;
     const S* o = row_ptr<const S>(p.o, b, h, row);
@@ -59,10 +65,11 @@ __device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, int b, int h,
                         * (p.dq_accum_cols / 8) * DQ_TILE + lane;
 }
 
-// grid (ceil(seqlen_q / 16), nheads, batch), up to 256 threads, 16 x (dq_accum_cols + 1)
-// floats of shared memory: one strip of 16 rows, read in tile order, written row by row.
+// grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads,
+// 16 x (dq_accum_cols + 1) floats of shared memory: one strip of 16 rows, read in tile order,
+// written row by row.
 template <typename Elem>
-__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p) {
     extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
     const int b = blockIdx.z, h = blockIdx.y, row0 = blockIdx.x * 16;
     const int cols = p.dq_accum_cols, ld = cols + 1;

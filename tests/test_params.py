@@ -61,3 +61,11 @@ def test_plain_kernel_constants_and_shared_memory():
                            f"{_launch._generic_smem(hd, itemsize)}, \"smem {ctype} {hd}\");")
     log = _compile_log("generic.cu", asserts)
     assert log is None, log
+
+
+def test_backward_helper_launch_constants():
+    log = _compile_log("bwd.cu", [
+        f"static_assert(PREPROCESS_WARPS == {_config.GENERIC_WARPS}, \"GENERIC_WARPS\");",
+        f"static_assert(DQ_CONVERT_THREADS == {_launch.DQ_CONVERT_THREADS}, \"DQ_CONVERT_THREADS\");",
+    ])
+    assert log is None, log
