@@ -48,7 +48,7 @@ def needed(headdims):
     for hd in headdims:
         f, b = _config.tile("fwd", hd, limit), _config.tile("bwd", hd, limit)
         for causal in (False, True):
-            yield "fwd.cu", tn("flash_fwd_kernel", "bf16", hd, f.br, f.bc, f.warps, causal)
+            yield "fwd.cu", tn("flash_fwd_kernel", "bf16", hd, f.br, f.bc, f.warps, f.stages_for(causal), causal)
             yield "bwd.cu", tn("flash_bwd_dkdv_kernel", "bf16", hd, b.bc, b.br, b.warps, b.km,
                                b.stages, causal, True)
 

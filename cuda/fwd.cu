@@ -2,14 +2,16 @@
 // one thread block per (query block of Br rows, head, batch); each warp owns MT slices of
 // 16 query rows and walks the key blocks of Bc keys:
 //   S = Q K^T (mma), mask, online softmax update, O += P V (P straight from registers).
-// K and V are single-buffered in shared memory, their loads overlapped with compute:
-// V_j is fetched while S_j = Q K_j^T is computed, K_{j+1} while O += P_j V_j is.
+// Stages = 1: K and V single-buffered in shared memory, their loads overlapped with compute:
+// V_j is fetched while S_j = Q K_j^T is computed, K_{j+1} while O += P_j V_j is (two
+// barriers per key block). Stages = 2: two buffers of each, K and V of block j+1 fetched at
+// the top of step j, under all of its math (one barrier per key block).
 #include "common.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "block_iter.cuh"
 
-template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, bool Causal>
+template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, int Stages, bool Causal>
 __global__ void __launch_bounds__(NWarps * 32)
 flash_fwd_kernel(const FwdParams p) {
     constexpr int Threads = NWarps * 32;
@@ -19,11 +21,12 @@ flash_fwd_kernel(const FwdParams p) {
     constexpr int LD = HeadDim + SMEM_PAD;
     static_assert(MT >= 1 && Br == 16 * NWarps * MT, "warps own whole 16-row slices of the query block");
     static_assert(Bc % 16 == 0 && HeadDim % 16 == 0, "tiles are made of 16x16 mma operands");
+    static_assert(Stages == 1 || Stages == 2, "one or two K/V buffers");
 
     extern __shared__ __align__(16) unsigned char smem[];
     u16* sQ = reinterpret_cast<u16*>(smem);
-    u16* sK = sQ + Br * LD;
-    u16* sV = sK + Bc * LD;
+    u16* sK = sQ + Br * LD;           // Stages buffers of K, then of V: block j in buffer j % Stages
+    u16* sV = sK + Stages * Bc * LD;
 
     // Causal: the last query blocks see the most keys.
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;
@@ -45,9 +48,20 @@ flash_fwd_kernel(const FwdParams p) {
     const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, qblock, Br, Bc, p.seqlen_q, p.seqlen_k);
 
     load_tile<Br, HeadDim, Threads>(sQ, gQ, p.q.row_stride, rows_valid, p.headdim, vec_ok);
-    if (kb.count > 0)
+    // The first fetch is written two ways (the same arithmetic): each is the spelling its
+    // variant was measured with, and ptxas allocates registers differently for the other.
+    if constexpr (Stages == 2) {
+        if (kb.count > 0) {
+            const int n0 = kb.block(0) * Bc;
+            load_tile<Bc, HeadDim, Threads>(sK, gK + n0 * p.k.row_stride, p.k.row_stride,
+                                            p.seqlen_k - n0, p.headdim, vec_ok);
+            load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride,
+                                            p.seqlen_k - n0, p.headdim, vec_ok);
+        }
+    } else if (kb.count > 0) {
         load_tile<Bc, HeadDim, Threads>(sK, gK + kb.block(0) * Bc * p.k.row_stride, p.k.row_stride,
                                         p.seqlen_k - kb.block(0) * Bc, p.headdim, vec_ok);
+    }
     cp_async_commit();
 
     float acc[MT][DT][4];
@@ -60,14 +74,30 @@ flash_fwd_kernel(const FwdParams p) {
     OnlineSoftmax<2 * MT> softmax;
     softmax.init();
 
-    const u32 sQa = smem_addr(sQ), sKa = smem_addr(sK), sVa = smem_addr(sV);
+    const u32 sQa = smem_addr(sQ), sK0 = smem_addr(sK), sV0 = smem_addr(sV);
 
     for (int it = 0; it < kb.count; ++it) {
         const int n0 = kb.block(it) * Bc;
         cp_async_wait<0>();
-        __syncthreads();   // K_j has landed, and every warp is done reading V_{j-1}
-        load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride,
-                                        p.seqlen_k - n0, p.headdim, vec_ok);
+        // K_j (with two stages, V_j too) has landed, and every warp is done reading V_{j-1}
+        // (with two stages, K_{j-1} too, whose buffers the next fetch fills).
+        __syncthreads();
+        u32 sKa = sK0, sVa = sV0;
+        if constexpr (Stages == 2) {
+            const int nb = (it + 1) & 1;
+            if (it + 1 < kb.count) {
+                const int n1 = kb.block(it + 1) * Bc;
+                load_tile<Bc, HeadDim, Threads>(sK + nb * Bc * LD, gK + n1 * p.k.row_stride, p.k.row_stride,
+                                                p.seqlen_k - n1, p.headdim, vec_ok);
+                load_tile<Bc, HeadDim, Threads>(sV + nb * Bc * LD, gV + n1 * p.v.row_stride, p.v.row_stride,
+                                                p.seqlen_k - n1, p.headdim, vec_ok);
+            }
+            sKa += (nb ^ 1) * Bc * LD * 2;
+            sVa += (nb ^ 1) * Bc * LD * 2;
+        } else {
+            load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride,
+                                            p.seqlen_k - n0, p.headdim, vec_ok);
+        }
         cp_async_commit();
 
         // S = Q K^T
@@ -121,14 +151,16 @@ flash_fwd_kernel(const FwdParams p) {
                 pa[mt][kk][3] = pack2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
 
-        cp_async_wait<0>();
-        __syncthreads();   // V_j has landed, and every warp is done reading K_j
-        if (it + 1 < kb.count) {
-            const int n1 = kb.block(it + 1) * Bc;
-            load_tile<Bc, HeadDim, Threads>(sK, gK + n1 * p.k.row_stride, p.k.row_stride,
-                                            p.seqlen_k - n1, p.headdim, vec_ok);
+        if constexpr (Stages == 1) {
+            cp_async_wait<0>();
+            __syncthreads();   // V_j has landed, and every warp is done reading K_j
+            if (it + 1 < kb.count) {
+                const int n1 = kb.block(it + 1) * Bc;
+                load_tile<Bc, HeadDim, Threads>(sK, gK + n1 * p.k.row_stride, p.k.row_stride,
+                                                p.seqlen_k - n1, p.headdim, vec_ok);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
 
         // O += P V
 #pragma unroll

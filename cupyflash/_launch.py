@@ -190,9 +190,10 @@ def forward(q, k, v, out, lse, scale, causal, block_mask=None):
         t = _config.tile("fwd", hd, _smem_limit(), *_tile_limits(block_mask))
         if block_mask is not None:
             _fill_lists(p, block_mask, t.br, t.bc, causal, kv=True, q=False)
-        name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal)
+        name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, t.stages_for(causal),
+                             causal)
         _launch("fwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, causal), 32 * t.warps,
-                t.smem_bytes(hd), p[()])
+                t.smem_bytes(hd, causal), p[()])
     else:
         if block_mask is not None:
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=False)
@@ -282,7 +283,7 @@ def kernel_names(smem_limit):
             for elem in (ELEM[d] for d in TENSOR_CORE):
                 for t in sorted(fwd, key=repr):
                     names["fwd.cu"].append(template_name(
-                        "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, causal))
+                        "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, t.stages_for(causal), causal))
                 for t, atomic_dq in sorted(bwd, key=repr):
                     names["bwd.cu"].append(template_name(
                         "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
