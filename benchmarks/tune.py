@@ -15,7 +15,8 @@ from cupyflash import _bench, _config
 B, F = _config.BwdTile, _config.FwdTile
 CANDIDATES = {
     ("fwd", 64): [F(128, 64, 4, stages=2), F(128, 64, 4), F(128, 128, 4), F(128, 128, 8), F(64, 64, 4)],
-    ("fwd", 128): [F(128, 64, 4), F(128, 32, 4), F(128, 64, 8), F(64, 64, 4)],
+    ("fwd", 128): [F(128, 64, 4), F(128, 32, 4), F(128, 64, 8), F(64, 64, 4), F(128, 32, 4, stages=2),
+                   F(64, 64, 4, stages=2), F(128, 64, 8, stages=2)],
     ("bwd", 64): [B(128, 128, 8, km=2), B(128, 128, 8, km=2, stages=2), B(128, 64, 8, km=2, stages=2),
                   B(128, 64, 8, km=2), B(128, 128, 8, km=4, stages=2)],
     ("bwd", 128): [B(128, 64, 8, km=2, stages=2), B(128, 64, 8, km=2), B(128, 64, 8, km=4, stages=2)],

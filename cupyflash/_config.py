@@ -55,7 +55,8 @@ class FwdTile:
     warps: int
     # Buffers of K and V in non-causal calls (2: the next key block's loads under all of a
     # step's math, one barrier per step). Causal calls take 1: at d=64 the double-buffered
-    # causal kernel needs 218 registers, 2 blocks per SM instead of 3, and was 3-9% slower.
+    # causal kernel needs 218 registers, 2 blocks per SM instead of 3, and was 6-9% slower
+    # (1-3% with 3 blocks forced by a launch bound).
     stages: int = 1
 
     def stages_for(self, causal):
