@@ -42,11 +42,15 @@ def test_params_struct_layout_matches_numpy_dtype(cname, dtype):
     assert log is None, log
 
 
-def test_tile_constants():
-    log = _compile_log("common.cuh", [
-        f"static_assert(SMEM_PAD == {_config.SMEM_PAD}, \"SMEM_PAD\");",
-        f"static_assert(LOG2E == {_config.LOG2E!r}f, \"LOG2E\");",
-    ])
+@pytest.mark.parametrize("filename,asserts", [
+    ("common.cuh", [f"static_assert(SMEM_PAD == {_config.SMEM_PAD}, \"SMEM_PAD\");",
+                    f"static_assert(LOG2E == {_config.LOG2E!r}f, \"LOG2E\");"]),
+    ("bwd.cu", [f"static_assert(PREPROCESS_WARPS == {_config.GENERIC_WARPS}, \"GENERIC_WARPS\");",
+                f"static_assert(DQ_CONVERT_THREADS == {_launch.DQ_CONVERT_THREADS}, "
+                f"\"DQ_CONVERT_THREADS\");"]),
+], ids=["tile constants", "backward helper launches"])
+def test_constants_the_kernels_repeat(filename, asserts):
+    log = _compile_log(filename, asserts)
     assert log is None, log
 
 
@@ -60,12 +64,4 @@ def test_plain_kernel_constants_and_shared_memory():
             asserts.append(f"static_assert(generic_impl::kSmemBytes<{ctype}, {hd}> == "
                            f"{_launch._generic_smem(hd, itemsize)}, \"smem {ctype} {hd}\");")
     log = _compile_log("generic.cu", asserts)
-    assert log is None, log
-
-
-def test_backward_helper_launch_constants():
-    log = _compile_log("bwd.cu", [
-        f"static_assert(PREPROCESS_WARPS == {_config.GENERIC_WARPS}, \"GENERIC_WARPS\");",
-        f"static_assert(DQ_CONVERT_THREADS == {_launch.DQ_CONVERT_THREADS}, \"DQ_CONVERT_THREADS\");",
-    ])
     assert log is None, log
