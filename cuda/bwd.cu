@@ -361,10 +361,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                 dpt[km][nt][e] = st[km][nt][e] * (SubD ? dpt[km][nt][e] : dpt[km][nt][e] - sD[qw * QW + nt * 8 + 2 * t + (e & 1)]);
             const int c = qw * QW + nt * 8 + 2 * t;
             const int r = key0 + km * 16 + g;
-            *reinterpret_cast<u32*>(sPt + r * LDP + c) = pack2<Elem>(st[km][nt][0], st[km][nt][1]);
-            *reinterpret_cast<u32*>(sPt + (r + 8) * LDP + c) = pack2<Elem>(st[km][nt][2], st[km][nt][3]);
-            *reinterpret_cast<u32*>(sdSt + r * LDP + c) = pack2<Elem>(dpt[km][nt][0], dpt[km][nt][1]);
-            *reinterpret_cast<u32*>(sdSt + (r + 8) * LDP + c) = pack2<Elem>(dpt[km][nt][2], dpt[km][nt][3]);
+            store_acc_pairs<Elem>(sPt, LDP, r, c, st[km][nt]);
+            store_acc_pairs<Elem>(sdSt, LDP, r, c, dpt[km][nt]);
         }
         // dQ reads dS^T rows other warps wrote; for dK/dV, a warp that holds all Br queries of
         // its keys (WQ == 1) reads back only its own rows, and a warp barrier is enough.
@@ -424,10 +422,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 #pragma unroll
     for (int i = 0; i < DW / 8; ++i) {
         const int r = key0 + km * 16 + g, c = qw * DW + i * 8 + 2 * t;
-        *reinterpret_cast<u32*>(sK + r * LD + c) = pack2<Elem>(dk[km][i][0] * scale, dk[km][i][1] * scale);
-        *reinterpret_cast<u32*>(sK + (r + 8) * LD + c) = pack2<Elem>(dk[km][i][2] * scale, dk[km][i][3] * scale);
-        *reinterpret_cast<u32*>(sV + r * LD + c) = pack2<Elem>(dv[km][i][0], dv[km][i][1]);
-        *reinterpret_cast<u32*>(sV + (r + 8) * LD + c) = pack2<Elem>(dv[km][i][2], dv[km][i][3]);
+        store_acc_pairs<Elem>(sK, LD, r, c, dk[km][i], scale);
+        store_acc_pairs<Elem>(sV, LD, r, c, dv[km][i]);
     }
     __syncthreads();
     store_tile<Bc, HeadDim, Threads>(sK, row_ptr<u16>(p.dk, b, hk, col0), p.dk.row_stride,
@@ -563,8 +559,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
     for (int i = 0; i < DT; ++i) {
         const int r = warp * 16 + g, c = i * 8 + 2 * t;
-        *reinterpret_cast<u32*>(sQ + r * LD + c) = pack2<Elem>(dq[i][0] * scale, dq[i][1] * scale);
-        *reinterpret_cast<u32*>(sQ + (r + 8) * LD + c) = pack2<Elem>(dq[i][2] * scale, dq[i][3] * scale);
+        store_acc_pairs<Elem>(sQ, LD, r, c, dq[i], scale);
     }
     __syncthreads();
     store_tile<Br, HeadDim, Threads>(sQ, row_ptr<u16>(p.dq, b, h, row0), p.dq.row_stride,

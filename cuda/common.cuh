@@ -30,6 +30,15 @@ template <> __device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) {
     return r;
 }
 
+// An mma accumulator's share of a 16-row tile (v[0], v[1]: row r, columns c and c+1; v[2],
+// v[3]: row r + 8), times `scale`, as two 16-bit pairs into a row-major tile of stride ld.
+template <typename Elem>
+__device__ __forceinline__ void store_acc_pairs(u16* tile, int ld, int r, int c, const float (&v)[4],
+                                                float scale = 1.f) {
+    *reinterpret_cast<u32*>(tile + r * ld + c) = pack2<Elem>(v[0] * scale, v[1] * scale);
+    *reinterpret_cast<u32*>(tile + (r + 8) * ld + c) = pack2<Elem>(v[2] * scale, v[3] * scale);
+}
+
 template <typename Elem> __device__ __forceinline__ u16 from_float(float x) {
     return static_cast<u16>(pack2<Elem>(x, 0.f) & 0xffffu);
 }
