@@ -792,6 +792,12 @@ def versions():
     found = {"python": platform.python_version(), "numpy": np.__version__,
              "cupy": cp.__version__, "cuda_runtime": f"{rt // 1000}.{rt % 1000 // 10}",
              "cuda_driver": cp.cuda.runtime.driverGetVersion(), "cupyflash": __version__}
+    try:
+        # The compiler of our kernels: its register allocation moves their speed by a few %.
+        from cupy_backends.cuda.libs import nvrtc
+        found["nvrtc"] = "%d.%d" % nvrtc.getVersion()
+    except Exception:  # a version we cannot read is left out of the report
+        pass
     for name in ("torch", "triton"):
         if name in sys.modules:
             found[name] = getattr(sys.modules[name], "__version__", "?")
