@@ -290,10 +290,13 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) { dk[km][i][e] = 0.f; dv[km][i][e] = 0.f; }
 
-    // Fused: S^T and dP^T products in one loop (causal), or S^T first, its exponentials
-    // issuing under the dP^T products. SubD: D starts the dP^T sums (dpt = dP^T - D), which
-    // saves one FADD per element: 3-4% faster at d=64, and at d=128 slower.
-    constexpr bool Fused = Causal, SubD = HeadDim <= 64;
+    // Fused: S^T and dP^T products in one loop, or S^T first, its exponentials issuing under
+    // the dP^T products (+5% at d=128 non-causal; causal, with NVRTC 13.5, +3 to +4% at d=64
+    // and +0 to +1% at d=128). Causal single-buffered kernels stay fused: split, they spill at
+    // the register limit (sm_80's d=128 tile, the deterministic d=64 one). SubD: D starts the
+    // dP^T sums (dpt = dP^T - D), which saves one FADD per element: 3-4% faster at d=64, and
+    // at d=128 slower.
+    constexpr bool Fused = Causal && Stages == 1, SubD = HeadDim <= 64;
     while (cur.hq < p.group) {
         // The query head, for the dQ pointer below. Where ptxas sees it computed decides its
         // register allocation at the 255-register limit: at the top of the step it is 3% faster
@@ -313,10 +316,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const float* sLse2 = stats_of(buf);
         const float* sD = sLse2 + Br;
 
-        // S^T = K Q^T and dP^T = V dO^T for the warp's 16*KM keys x QW queries. Without a
-        // causal mask S^T comes first, and its exponentials issue in the shadow of the dP^T
-        // products (+5% at d=128); with one, both products in one loop were as fast and spill
-        // nothing at d=64.
+        // S^T = K Q^T and dP^T = V dO^T for the warp's 16*KM keys x QW queries.
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
         const float* dInit = SubD ? sD : nullptr;
         rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, nullptr, dpt, sVa, sdOa, dInit, key0, qw * QW, lane);
