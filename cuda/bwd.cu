@@ -293,15 +293,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     // Fused: S^T and dP^T products in one loop, or S^T first, its exponentials issuing under
     // the dP^T products (+5% at d=128 non-causal; causal, with NVRTC 13.5, +3 to +4% at d=64
     // and +0 to +1% at d=128). Causal single-buffered kernels stay fused: split, they spill at
-    // the register limit (sm_80's d=128 tile, the deterministic d=64 one). SubD: D starts the
-    // dP^T sums (dpt = dP^T - D), which saves one FADD per element: 3-4% faster at d=64, and
-    // at d=128 slower.
-    constexpr bool Fused = Causal && Stages == 1, SubD = HeadDim <= 64;
+    // the register limit (sm_80's d=128 tile, the deterministic d=64 one).
+    constexpr bool Fused = Causal && Stages == 1;
     while (cur.hq < p.group) {
-        // The query head, for the dQ pointer below. Where ptxas sees it computed decides its
-        // register allocation at the 255-register limit: at the top of the step it is 3% faster
-        // at d=128, and spilled (4 bytes) at d=64, where it is computed after the wait instead.
-        const int h_top = hk * p.group + cur.hq;
         const int m0 = cur.qb.block(cur.it) * Br;
         const bool masked = cur.qb.template needs_mask<Causal>(cur.it, Br, Bc, col0, p.seqlen_q, p.seqlen_k);
         const Step next = settle(Step{cur.hq, cur.it + 1, cur.qb});
@@ -312,14 +306,15 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             cp_async_commit();
         }
         const u32 sQa = smem_addr(sQ_of(buf)), sdOa = sQa + Br * LD * 2;
-        float* gdq = AtomicDQ ? dq_tile_lane(p, b, SubD ? hk * p.group + cur.hq : h_top, (m0 + row_w) / 16, lane) : nullptr;
+        float* gdq = AtomicDQ ? dq_tile_lane(p, b, hk * p.group + cur.hq, (m0 + row_w) / 16, lane) : nullptr;
         const float* sLse2 = stats_of(buf);
         const float* sD = sLse2 + Br;
 
-        // S^T = K Q^T and dP^T = V dO^T for the warp's 16*KM keys x QW queries.
+        // S^T = K Q^T and dP^T - D = V dO^T - D for the warp's 16*KM keys x QW queries; D starts
+        // the dP^T sums, one FADD per element less than subtracting it after (H100, NVRTC 13.5:
+        // d=64 +3-4%, d=128 +1-2%).
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
-        const float* dInit = SubD ? sD : nullptr;
-        rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, nullptr, dpt, sVa, sdOa, dInit, key0, qw * QW, lane);
+        rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, nullptr, dpt, sVa, sdOa, sD, key0, qw * QW, lane);
         // Hidden keys. The causal test depends on the row, so it runs only in diagonal blocks,
         // behind a block-uniform branch, setting S = -inf (exp2 then gives exactly 0): inline,
         // it cost the causal pass 10%. The test for keys past seqlen_k is one compare per key
@@ -348,7 +343,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                     st[km][nt][e] = !Causal && masked && key >= p.seqlen_k ? 0.f : pv;
                 }
         if constexpr (!Fused)
-            rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, dInit, dpt, 0, 0, nullptr, key0, qw * QW, lane);
+            rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, sD, dpt, 0, 0, nullptr, key0, qw * QW, lane);
 
         // dS^T = P^T (dP^T - D); P^T and dS^T go through shared memory (keeping P^T in
         // registers spills at head dim 128).
@@ -358,7 +353,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         for (int nt = 0; nt < QW / 8; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                dpt[km][nt][e] = st[km][nt][e] * (SubD ? dpt[km][nt][e] : dpt[km][nt][e] - sD[qw * QW + nt * 8 + 2 * t + (e & 1)]);
+                dpt[km][nt][e] *= st[km][nt][e];
             const int c = qw * QW + nt * 8 + 2 * t;
             const int r = key0 + km * 16 + g;
             store_acc_pairs<Elem>(sPt, LDP, r, c, st[km][nt]);
