@@ -155,7 +155,7 @@ __device__ __forceinline__ void dq_step(u32 sdSta, u32 sKa, int lane, int row_w,
 // acc = A B^T - c over HeadDim, for the warp's 16*KM rows of A from row a0 and QW rows of B
 // from row b0 (row-major shared-memory tiles of stride LD), c[j] subtracted from column j
 // (B row b0 + j; none where c is null): S^T = K Q^T, dP^T - D = V dO^T - D. With Second,
-// acc2 = A2 B2^T - c2 in the same loop.
+// acc2 = A2 B2^T - c2 in the same loop (the fused pass: S^T and dP^T - D, so c2 is D).
 template <typename Elem, int HeadDim, int KM, int QW, int LD, bool Second>
 __device__ __forceinline__ void rows_times_rows(float (&acc)[KM][QW / 8][4], u32 sA, u32 sB, const float* c,
                                                 float (&acc2)[KM][QW / 8][4], u32 sA2, u32 sB2, const float* c2,
@@ -168,7 +168,7 @@ __device__ __forceinline__ void rows_times_rows(float (&acc)[KM][QW / 8][4], u32
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 acc[km][i][e] = c ? -c[b0 + i * 8 + 2 * t + (e & 1)] : 0.f;
-                if constexpr (Second) acc2[km][i][e] = c2 ? -c2[b0 + i * 8 + 2 * t + (e & 1)] : 0.f;
+                if constexpr (Second) acc2[km][i][e] = -c2[b0 + i * 8 + 2 * t + (e & 1)];
             }
 #pragma unroll
     for (int ks = 0; ks < HeadDim / 16; ++ks) {
