@@ -106,7 +106,7 @@ _FWD = {
     160: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
     192: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
     224: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
-    256: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
+    256: [FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
 }
 _BWD = {
     32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
