@@ -103,8 +103,8 @@ _FWD = {
     64: [FwdTile(128, 64, 4, stages=2), FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
     96: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
     128: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
-    160: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
-    192: [FwdTile(128, 64, 8), FwdTile(64, 64, 4)],
+    160: [FwdTile(64, 64, 4)],
+    192: [FwdTile(64, 64, 4)],
     224: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
     256: [FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
 }
