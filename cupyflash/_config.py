@@ -48,8 +48,13 @@ def head_dim_bucket(d):
     raise ValueError(f"head dim {d} is above {MAX_HEADDIM}")
 
 
+class _Tile:
+    def fits(self, hd, smem_limit):
+        return self.smem_bytes(hd) <= smem_limit
+
+
 @dataclass(frozen=True)
-class FwdTile:
+class FwdTile(_Tile):
     br: int      # query rows per thread block
     bc: int      # keys per iteration
     warps: int
@@ -72,7 +77,7 @@ class FwdTile:
 
 
 @dataclass(frozen=True)
-class BwdTile:
+class BwdTile(_Tile):
     bc: int      # keys per thread block (dK/dV stay in registers)
     br: int      # query rows per iteration
     warps: int
@@ -88,7 +93,7 @@ class BwdTile:
 
 
 @dataclass(frozen=True)
-class DqTile:
+class DqTile(_Tile):
     br: int
     bc: int
     warps: int
@@ -144,8 +149,7 @@ def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK, deterministic=
     for t in _TABLES[pass_][hd]:
         if deterministic and getattr(t, "atomic_only", False):
             continue
-        fits = t.fits(hd, smem_limit) if pass_ == "fwd" else t.smem_bytes(hd) <= smem_limit
-        if fits and t.br <= max_q and t.bc <= max_k:
+        if t.fits(hd, smem_limit) and t.br <= max_q and t.bc <= max_k:
             return t
     raise RuntimeError(f"no {pass_} tile for head dim {hd} fits {smem_limit} bytes of shared "
                        f"memory and {max_q} x {max_k} mask blocks")
