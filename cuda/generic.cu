@@ -258,13 +258,16 @@ generic_fwd_kernel(const FwdParams p) {
         load_chunk<T, HeadDim>(k_tile, p.k, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
         load_chunk<T, HeadDim>(v_tile, p.v, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
         __syncthreads();
-        if (k0 < kend) {   // warp-uniform; key k0 is visible, so the chunk's max is finite
+        if (k0 < kend) {   // warp-uniform
             const bool visible = k0 + lane < kend;
             const T s = dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale;
             const T chunk_max = warp_max(visible ? s : -Prec<T>::inf());
             const T m_new = chunk_max > m ? chunk_max : m;
-            const T pj = visible ? Prec<T>::exp_base(s - m_new) : T(0);
-            const T alpha = Prec<T>::exp_base(m - m_new);   // 0 on the first chunk: m = -inf
+            // Scores of -inf (from infinite inputs) can leave the max at -inf: subtract 0 then,
+            // so that their weights are 0 rather than exp(-inf - -inf) = NaN.
+            const T base = m_new == -Prec<T>::inf() ? T(0) : m_new;
+            const T pj = visible ? Prec<T>::exp_base(s - base) : T(0);
+            const T alpha = Prec<T>::exp_base(m - base);   // 0 on the first chunk: m = -inf
             l = l * alpha + warp_sum(pj);
 #pragma unroll
             for (int i = 0; i < N; ++i) o[i] *= alpha;
@@ -275,7 +278,8 @@ generic_fwd_kernel(const FwdParams p) {
 
     if (active) {
         // A row that saw no key (causal, seqlen_q > seqlen_k) has l = 0: output 0, lse -inf.
-        const bool seen = l > T(0);
+        // A NaN l (NaN in q or k, a +inf score) is not that: out and lse stay NaN.
+        const bool seen = l != T(0);
         store_row(p.o, b, h, row, o, seen ? T(1) / l : T(0), p.headdim, lane);
         if (lane == 0)
             static_cast<T*>(p.lse)[stat_index(b, h, p.nheads, p.seqlen_q, row)] =

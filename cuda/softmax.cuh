@@ -69,14 +69,16 @@ struct OnlineSoftmax {
     }
 
     // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the
-    // natural-log lse into lse_out.
+    // natural-log lse into lse_out. Only a sum of exactly 0 is a row without keys: a NaN sum
+    // (NaN in q or k, a +inf score) keeps out and lse NaN rather than passing for empty.
     __device__ __forceinline__ void finalize(float scale_log2, float (&inv_l)[Rows],
                                              float (&lse_out)[Rows]) {
 #pragma unroll
         for (int r = 0; r < Rows; ++r) {
             const float sum = quad_sum(l[r]);
-            inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
-            lse_out[r] = sum > 0.f ? (m[r] * scale_log2 + log2f(sum)) / LOG2E : neg_inf();
+            const bool empty = sum == 0.f;
+            inv_l[r] = empty ? 0.f : 1.f / sum;
+            lse_out[r] = empty ? neg_inf() : (m[r] * scale_log2 + log2f(sum)) / LOG2E;
         }
     }
 };

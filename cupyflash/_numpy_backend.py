@@ -107,6 +107,12 @@ def _head_groups(block_mask, nheads, nheads_k):
         yield head, slice(head // g, head // g + 1), slice(head % g, head % g + 1)
 
 
+# NaN and infinity in the inputs flow through as the arithmetic gives them (api.py's
+# flash_attention docstring): NumPy's warnings about them are not the caller's business.
+_IEEE = dict(invalid="ignore", over="ignore", divide="ignore")
+
+
+@np.errstate(**_IEEE)
 def forward(q, k, v, scale, causal, block_mask=None):
     """Returns ``(out, lse)``: out like q in q's dtype, lse (batch, nheads, seqlen_q) in
     natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key.
@@ -161,13 +167,16 @@ def _forward_tiles(q64, k64, v64, scale, sq, sk, causal, kv_list, br, bc):
             l = alpha * l + p.sum(axis=-1)
             acc = alpha[..., None] * acc + p @ v_t
             m = m_new
-        seen = l > 0
-        l_safe = np.where(seen, l, 1.0)
-        out[..., r0:r1, :] = np.where(seen[..., None], acc / l_safe[..., None], 0.0)
-        lse[..., r0:r1] = np.where(seen, (m + np.log2(l_safe)) / LOG2E, -np.inf)
+        # Only a sum of exactly 0 means no visible key: a NaN sum (NaN in q or k, or a +inf
+        # score) must stay NaN, as the kernels keep it, not turn into an empty row.
+        empty = l == 0
+        l_safe = np.where(empty, 1.0, l)
+        out[..., r0:r1, :] = np.where(empty[..., None], 0.0, acc / l_safe[..., None])
+        lse[..., r0:r1] = np.where(empty, -np.inf, (m + np.log2(l_safe)) / LOG2E)
     return out, lse
 
 
+@np.errstate(**_IEEE)
 def backward(dout, q, k, v, out, lse, scale, causal, block_mask=None):
     """Returns ``(dq, dk, dv)`` shaped and typed like q, k and v (dk, dv summed over the
     query heads of each group). ``block_mask`` as in ``forward``: each key block loops over

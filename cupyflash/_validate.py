@@ -24,6 +24,33 @@ _AXES_Q = (("batch", 0), ("seqlen_q", 1), ("nheads", 2), ("headdim", 3))
 _AXES_KV = (("batch", 0), ("seqlen_k", 1), ("nheads_k", 2), ("headdim", 3))
 
 
+def check_flag(name, value):
+    """``value`` as a bool. Only bool and NumPy bool are flags: ``"False"`` is truthy, and 2,
+    None or an array would silently pick a mode the caller did not name."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} "
+                    f"{_short_repr(value)}")
+
+
+def check_int(name, value, minimum, maximum=None):
+    """``value`` as an int in ``[minimum, maximum]``; bools are not integers here."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} "
+                        f"{_short_repr(value)}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def _short_repr(value, limit=60):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check_forward(q, k, v, softmax_scale):
     named = {"q": q, "k": k, "v": v}
     _check_dtypes(named)
@@ -138,7 +165,7 @@ def _check_scale(scale, dtype):
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None, got "
-                        f"{type(scale).__name__}")
+                        f"{type(scale).__name__} {_short_repr(scale)}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a finite number > 0, got {scale!r}")
     # Below float64 the kernels hold scale * log2(e) in a float32.

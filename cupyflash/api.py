@@ -48,6 +48,14 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
 
     Notes
     -----
+    NaN and infinity follow the arithmetic, on every path: a NaN in query row ``i`` makes row
+    ``i`` of out and lse NaN and changes no other row; a NaN, or a +inf score, from key ``j``
+    makes NaN exactly the rows that see key ``j`` (masks and ``causal`` decide which); a key
+    whose score is -inf gets weight 0, and a row left with no key of nonzero weight gets 0
+    and lse ``-inf``. Masks never create NaN. Non-finite values in ``v`` reach the rows that
+    see them, and may also reach rows of the same tile that do not (``0 * NaN`` in the
+    matrix product).
+
     Arrays of other frameworks are read in place through DLPack and the results are handed
     back the same way, without copies. The kernels run on the inputs' GPU and are queued on
     the caller's current stream: PyTorch's current stream when q is a PyTorch tensor, else
@@ -56,6 +64,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
     of different frameworks on one GPU can, and the results take q's kind. The same holds for
     ``flash_attention_backward``.
     """
+    causal = _validate.check_flag("causal", causal)
+    return_lse = _validate.check_flag("return_lse", return_lse)
     (q, k, v), kind, xp = _arrays.as_backend((q, k, v), ("q", "k", "v"))
     _validate.check_forward(q, k, v, softmax_scale)
     causal = _check_mask(block_mask, q, k, causal)
@@ -78,7 +88,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     ----------
     dout : array like ``out``, the gradient of the loss with respect to ``out``.
     q, k, v, out, lse : the forward's inputs, output and lse (``return_lse=True``).
-    causal, softmax_scale, block_mask : as given to the forward.
+    causal, softmax_scale, block_mask
+        Exactly as given to the forward that made ``out`` and ``lse``. Nothing records
+        them there, so they cannot be checked: other values give wrong gradients, silently.
     deterministic : bool
         Compute dq in its own query-block-parallel pass instead of adding it up with
         atomics, so that repeated calls give bit-identical dq (a little slower).
@@ -88,6 +100,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     dq, dk, dv : arrays shaped like q, k and v. With grouped heads, dk and dv are summed
         over the query heads of each group.
     """
+    causal = _validate.check_flag("causal", causal)
+    deterministic = _validate.check_flag("deterministic", deterministic)
     names = ("dout", "q", "k", "v", "out", "lse")
     arrays, kind, xp = _arrays.as_backend((dout, q, k, v, out, lse), names)
     dout, q, k, v, out, lse = arrays
@@ -99,7 +113,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
             from . import _numpy_backend
             grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, causal, block_mask)
         else:
-            grads = _backward_gpu(dout, q, k, v, out, lse, scale, causal, bool(deterministic),
+            grads = _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic,
                                   block_mask)
         return tuple(_arrays.to_caller(g, kind) for g in grads)
 
@@ -107,9 +121,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
 def _check_mask(block_mask, q, k, causal):
     """Validate the mask against the call; return the effective causal flag."""
     if block_mask is None:
-        return bool(causal)
+        return causal
     _validate.check_block_mask(block_mask, q, k)
-    return bool(causal) or block_mask.causal
+    return causal or block_mask.causal
 
 
 def _scale(softmax_scale, headdim):

@@ -26,7 +26,7 @@ except ImportError as e:           # pragma: no cover - depends on the environme
     raise ImportError("cupyflash.jax needs JAX (pip install jax); the rest of cupyflash "
                       "works without it") from e
 
-from . import api
+from . import _validate, api
 
 __all__ = ["flash_attention"]
 
@@ -53,7 +53,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None):
     >>> q = jax.random.normal(jax.random.key(0), (1, 256, 4, 64), jnp.bfloat16)
     >>> dq = jax.grad(lambda q: cfj.flash_attention(q, q, q).astype(jnp.float32).sum())(q)
     """
-    return _differentiable(bool(causal), softmax_scale, block_mask)(q, k, v)
+    causal = _validate.check_flag("causal", causal)
+    return _differentiable(causal, softmax_scale, block_mask)(q, k, v)
 
 
 def _differentiable(causal, softmax_scale, block_mask):

@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 
 from ._config import MASK_BLOCK_SIZES as BLOCK_SIZES, cdiv
-from ._validate import INT32_LIMIT
+from ._validate import INT32_LIMIT, check_flag, check_int as _check_int
 
 __all__ = ["BlockMask", "TileLists", "causal", "sliding_window", "strided", "longformer",
            "bigbird", "random"]
@@ -53,19 +53,14 @@ q_idx (heads, nkt, nqt), q_count, q_partial: the transposed lists (for each key 
 # ---------------------------------------------------------------------------------------------
 # Argument checks (NumPy style: TypeError for types, ValueError for values, naming the argument)
 
-def _check_int(name, value, minimum, maximum=None):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-    return value
-
-
 def _check_seqlen(name, value):
     return _check_int(name, value, 1, INT32_LIMIT - 1)
+
+
+def _check_seed(seed):
+    """Seeds are integers >= 0: None (fresh entropy) would break the promise that the same
+    call gives the same mask."""
+    return _check_int("seed", seed, 0)
 
 
 def _block_pair(block_size):
@@ -191,27 +186,32 @@ class BlockMask:
     """
 
     def __init__(self, blocks, block_size=128, *, seqlen_q, seqlen_k, causal=False):
+        self._init(blocks, "blocks", block_size, seqlen_q, seqlen_k, causal)
+
+    def _init(self, blocks, name, block_size, seqlen_q, seqlen_k, causal):
+        """The constructor's work; ``name`` is what the caller called the block grid."""
         block_q, block_k = _block_pair(block_size)
         seqlen_q = _check_seqlen("seqlen_q", seqlen_q)
         seqlen_k = _check_seqlen("seqlen_k", seqlen_k)
-        blocks = _to_numpy(blocks, "block_mask")
+        causal = check_flag("causal", causal)
+        blocks = _to_numpy(blocks, name)
         if blocks.dtype != np.bool_:
-            raise TypeError(f"block_mask: dtype must be bool, got {blocks.dtype.name}")
+            raise TypeError(f"{name}: dtype must be bool, got {blocks.dtype.name}")
         nbq, nbk = cdiv(seqlen_q, block_q), cdiv(seqlen_k, block_k)
         if blocks.ndim not in (2, 3):
-            raise ValueError(f"block_mask must be 2-D (nbq, nbk) or 3-D (heads, nbq, nbk), got "
+            raise ValueError(f"{name} must be 2-D (nbq, nbk) or 3-D (heads, nbq, nbk), got "
                              f"{blocks.ndim}-D shape {blocks.shape}")
         if blocks.ndim == 2:
             blocks = blocks[None]
         if blocks.shape[0] < 1 or blocks.shape[1:] != (nbq, nbk):
             raise ValueError(
-                f"block_mask shape {blocks.shape[1:]} (query blocks, key blocks) must be "
+                f"{name} shape {blocks.shape[1:]} (query blocks, key blocks) must be "
                 f"(ceil(seqlen_q / block_q), ceil(seqlen_k / block_k)) = "
                 f"(ceil({seqlen_q} / {block_q}), ceil({seqlen_k} / {block_k})) = {(nbq, nbk)}"
                 + ("" if blocks.shape[0] >= 1 else f", with heads >= 1, got {blocks.shape[0]}"))
         self.block_q, self.block_k = block_q, block_k
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
-        self.causal = bool(causal)
+        self.causal = causal
         self.blocks = _read_only(np.array(blocks, dtype=np.bool_, order="C"))
         lists = self._lists(block_q, block_k, self.causal)
         (self.kv_indices, self.kv_counts, self.kv_partial,
@@ -234,8 +234,9 @@ class BlockMask:
         causal : bool
             Also apply the element-level bottom-right causal rule inside the kept blocks.
         """
-        return cls(block_mask_bool, block_size, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                   causal=causal)
+        mask = cls.__new__(cls)
+        mask._init(block_mask_bool, "block_mask_bool", block_size, seqlen_q, seqlen_k, causal)
+        return mask
 
     # --- inspection --------------------------------------------------------------------------
 
@@ -363,7 +364,7 @@ class BlockMask:
             if block % t:
                 raise ValueError(f"{name} ({t}) must divide the mask's block size ({block})")
         tile_q, tile_k = int(tile_q), int(tile_k)
-        causal = bool(causal) or self.causal
+        causal = check_flag("causal", causal) or self.causal
         xp_name = xp.__name__.split(".")[0]
         where = (xp.cuda.Device().id, xp.cuda.get_current_stream().ptr) if xp_name == "cupy" \
             else None
@@ -469,10 +470,11 @@ def bigbird(seqlen_q, seqlen_k, window, global_blocks, random_blocks, seed, bloc
     """BigBird: ``longformer(window, global_blocks)`` plus, in each query block row (of each
     head if ``nheads > 1``), ``random_blocks`` key blocks drawn uniformly without replacement
     among the ones not already kept (all of them if fewer remain), with
-    ``numpy.random.default_rng(seed)``: the same seed gives the same mask."""
+    ``numpy.random.default_rng(seed)``: the same seed (an integer >= 0) gives the same mask."""
     window = _check_int("window", window, 1)
     global_blocks = _check_int("global_blocks", global_blocks, 0)
     random_blocks = _check_int("random_blocks", random_blocks, 0)
+    seed = _check_seed(seed)
     nheads = _check_int("nheads", nheads, 1)
     block_size, sq, sk, rows, cols = _geometry(seqlen_q, seqlen_k, block_size)
     base = _global(_band(rows, cols, sq, sk, window), global_blocks)
@@ -486,12 +488,13 @@ def bigbird(seqlen_q, seqlen_k, window, global_blocks, random_blocks, seed, bloc
 
 def random(seqlen_q, seqlen_k, density, seed, block_size=128, nheads=1):
     """Each block kept independently with probability ``density`` (per head if ``nheads > 1``),
-    drawn with ``numpy.random.default_rng(seed)``. Rows may end up empty: they give output 0
-    and lse ``-inf``."""
+    drawn with ``numpy.random.default_rng(seed)``: the same seed (an integer >= 0) gives the
+    same mask. Rows may end up empty: they give output 0 and lse ``-inf``."""
     if isinstance(density, bool) or not isinstance(density, numbers.Real):
         raise TypeError(f"density must be a real number, got {type(density).__name__}")
     if not 0.0 <= float(density) <= 1.0:
         raise ValueError(f"density must be in [0, 1], got {density!r}")
+    seed = _check_seed(seed)
     nheads = _check_int("nheads", nheads, 1)
     block_size, sq, sk, rows, cols = _geometry(seqlen_q, seqlen_k, block_size)
     shape = (nheads, rows[0].shape[0], cols[0].shape[1])

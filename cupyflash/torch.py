@@ -17,7 +17,7 @@ except ImportError as e:           # pragma: no cover - depends on the environme
     raise ImportError("cupyflash.torch needs PyTorch (pip install torch); the rest of "
                       "cupyflash works without it") from e
 
-from . import api
+from . import _validate, api
 
 __all__ = ["flash_attention", "FlashAttentionFunction"]
 
@@ -75,4 +75,5 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
     >>> out = cft.flash_attention(q, q, q, causal=True)
     >>> out.float().square().sum().backward()
     """
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), softmax_scale, block_mask)
+    return FlashAttentionFunction.apply(q, k, v, _validate.check_flag("causal", causal),
+                                        softmax_scale, block_mask)

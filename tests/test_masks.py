@@ -386,13 +386,13 @@ def test_block_size_of_three_is_value_error():
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.float32])
 def test_non_bool_array_is_type_error(dtype):
-    with pytest.raises(TypeError, match="block_mask: dtype must be bool, got"):
+    with pytest.raises(TypeError, match="^block_mask_bool: dtype must be bool, got"):
         cf.BlockMask.from_dense(np.ones((2, 2), dtype), seqlen_q=256, seqlen_k=256)
 
 
 @pytest.mark.parametrize("shape", [(2,), (1, 1, 2, 2)])
 def test_wrong_ndim_is_value_error(shape):
-    with pytest.raises(ValueError, match="block_mask must be 2-D .* or 3-D"):
+    with pytest.raises(ValueError, match="^block_mask_bool must be 2-D .* or 3-D"):
         cf.BlockMask.from_dense(np.ones(shape, bool), seqlen_q=256, seqlen_k=256)
 
 
