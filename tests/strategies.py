@@ -1,0 +1,425 @@
+"""Hypothesis strategies for fuzzing cupyflash, built around one frozen description of a call.
+
+A ``Case`` holds everything a call and its check need (dtype, shape, causal, softmax_scale,
+memory layout, block mask, deterministic flag and the seed of the random inputs) as plain
+values, so that its repr is a complete, runnable reproducer: ``Case(...).inputs(np)`` gives the
+same arrays every time, ``Case(...).block_mask()`` the same mask.
+
+Strategies are small pieces that a test composes::
+
+    cases(dtype=st.sampled_from(HALF),
+          shape=shapes(max_seqlen=2048, ...),       # the sizes, under a work budget
+          layout=layouts,                           # shape -> strategy, like the rest:
+          mask=block_masks,                         #   they depend on the drawn shape
+          deterministic=st.just(True))
+
+A new call feature (an element window, softcap, ALiBi, dropout, ...) becomes one more field of
+``Case`` with a default that turns it off, one more keyword of ``cases`` whose default draws
+that value, and whatever the feature needs in ``inputs``/``block_mask``; existing tests keep
+drawing the same cases.
+
+Helpers shared by the fuzz tests live here too: ``Case.visibility`` (which query rows and keys
+see nothing), ``assert_zero_where_unseen`` (exact zeros there), the settings profiles and the
+per-family example counts printed at the end of the pytest session.
+"""
+import collections
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+from hypothesis import HealthCheck, reject, settings
+from hypothesis import strategies as st
+
+import cupyflash as cf
+from cupyflash import masks
+
+try:
+    from reference import get_xp, np_dtype, random_array
+except ImportError:
+    from tests.reference import get_xp, np_dtype, random_array
+
+# The keys gpu_checks.DTYPES uses, and the dtype each stands for.
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+HALF = ("bf16", "fp16")
+PLAIN = ("fp32", "fp64")
+
+MAX_HEADDIM = 256
+MASK_BLOCK_SIZES = (64, 128)
+MASK_BUILDERS = ("grid", "causal", "sliding_window", "strided", "longformer", "bigbird",
+                 "random")
+# Builders that can give each query head its own layout.
+PER_HEAD_BUILDERS = ("grid", "random", "bigbird")
+LAYOUT_KINDS = ("contiguous", "qkv_packed", "kv_packed", "padded")
+
+# Lengths that sit on, just below and just above the tile and mask-block edges (16, 32, 64 and
+# 128 rows or keys), and the odd ones of DESIGN.md; drawn alongside arbitrary lengths.
+SPECIAL_SEQLENS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 127, 128, 129, 191, 192,
+                   193, 255, 256, 257, 383, 511, 512, 513, 1023, 1024, 1025, 2047, 2048)
+# Head dims at the edges of the head-dim buckets (32, 64, ..., 256), powers of two and not.
+SPECIAL_HEADDIMS = (1, 2, 3, 8, 16, 24, 31, 32, 33, 40, 59, 63, 64, 65, 80, 96, 97, 111, 127,
+                    128, 129, 160, 161, 192, 200, 224, 225, 255, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# The frozen descriptions
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    sq: int
+    sk: int
+    nheads: int
+    nheads_k: int
+    d: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How q, k, v and dout sit in memory (always with a contiguous last dimension).
+
+    - ``contiguous``: four separate C-contiguous arrays.
+    - ``qkv_packed`` (seqlen_q == seqlen_k): q, k and v are head slices of one (batch, seqlen,
+      nheads + 2 * nheads_k, d) buffer; with nheads == nheads_k that is exactly a (batch,
+      seqlen, 3, nheads, d) qkv buffer.
+    - ``kv_packed``: k and v are slices of one (batch, seqlen_k, nheads_k, 2, d) buffer; q and
+      dout are stored head-major (batch, nheads, seqlen, d) and seen through a transposed view.
+    - ``padded``: each tensor is the view ``buf[pb:, ps:, ph:, pd:pd + d]`` of a bigger buffer
+      with ``pad = (pb, ps, ph, pd)`` elements of room before it along each axis: wider batch,
+      row and head strides, and base pointers and rows that need not be 16-byte aligned.
+    The rest of every buffer holds random data too, so a read of the wrong element shows.
+    """
+    kind: str = "contiguous"
+    pad: tuple = (0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A ``BlockMask`` as the values that build it (``build``).
+
+    ``builder`` is ``"grid"`` (``BlockMask.from_dense`` of a random block grid, each block kept
+    with probability ``density``) or the name of a builder in ``cupyflash.masks``. ``heads``:
+    1 (one layout for every head) or the call's nheads (grid, random, bigbird). ``causal``: the
+    mask's own element-level causal rule: ``from_dense(causal=True)`` for a grid, ``& masks.
+    causal(...)`` for the other builders (``masks.causal`` always has it). The remaining fields
+    are the builders' parameters; ``seed`` draws the grid and the random blocks.
+    """
+    builder: str
+    block_q: int = 128
+    block_k: int = 128
+    heads: int = 1
+    causal: bool = False
+    density: float = 0.5
+    window: int = 1
+    stride: int = 1
+    global_blocks: int = 0
+    random_blocks: int = 0
+    seed: int = 0
+
+    def build(self, seqlen_q, seqlen_k):
+        block = (self.block_q, self.block_k)
+        if self.builder == "grid":
+            nbq, nbk = -(-seqlen_q // self.block_q), -(-seqlen_k // self.block_k)
+            grid = np.random.default_rng(self.seed).random((self.heads, nbq, nbk)) < self.density
+            # A shared layout is given 2-D, as a user would.
+            return cf.BlockMask.from_dense(grid[0] if self.heads == 1 else grid, block,
+                                           seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                           causal=self.causal)
+        if self.builder == "causal":
+            return masks.causal(seqlen_q, seqlen_k, block)
+        if self.builder == "sliding_window":
+            mask = masks.sliding_window(seqlen_q, seqlen_k, self.window, block)
+        elif self.builder == "strided":
+            mask = masks.strided(seqlen_q, seqlen_k, self.stride, block)
+        elif self.builder == "longformer":
+            mask = masks.longformer(seqlen_q, seqlen_k, self.window, self.global_blocks, block)
+        elif self.builder == "bigbird":
+            mask = masks.bigbird(seqlen_q, seqlen_k, self.window, self.global_blocks,
+                                 self.random_blocks, self.seed, block, nheads=self.heads)
+        elif self.builder == "random":
+            mask = masks.random(seqlen_q, seqlen_k, self.density, self.seed, block,
+                                nheads=self.heads)
+        else:
+            raise ValueError(f"unknown mask builder {self.builder!r}")
+        return mask & masks.causal(seqlen_q, seqlen_k, block) if self.causal else mask
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call: its dtype (a key of ``DTYPE_NAMES``), sizes, flags, layout, mask and the seed
+    of its random inputs. The field names are the ones tests/gpu_checks.py reads."""
+    dtype: str
+    batch: int
+    sq: int
+    sk: int
+    nheads: int
+    nheads_k: int
+    d: int
+    causal: bool = False
+    softmax_scale: Optional[float] = None
+    layout: Layout = Layout()
+    mask: Optional[MaskSpec] = None
+    deterministic: bool = False
+    seed: int = 0
+
+    @property
+    def np_dtype(self):
+        return np_dtype(DTYPE_NAMES[self.dtype])
+
+    @property
+    def scale(self):
+        """The softmax scale the call uses (the reference needs it spelled out)."""
+        return self.d ** -0.5 if self.softmax_scale is None else self.softmax_scale
+
+    def block_mask(self):
+        return None if self.mask is None else self.mask.build(self.sq, self.sk)
+
+    def inputs(self, xp):
+        """q, k, v and dout of this case (NumPy or CuPy), laid out as ``self.layout`` says,
+        standard-normal and never zero; the same arrays for the same case."""
+        b, sq, sk, h, hk, d = (self.batch, self.sq, self.sk, self.nheads, self.nheads_k, self.d)
+        seed = self.seed
+
+        def fresh(shape, offset):
+            return random_array(xp, shape, self.np_dtype, seed + offset)
+
+        kind = self.layout.kind
+        if kind == "contiguous":
+            return fresh((b, sq, h, d), 0), fresh((b, sk, hk, d), 1), fresh((b, sk, hk, d), 2), \
+                fresh((b, sq, h, d), 3)
+        if kind == "qkv_packed":
+            qkv = fresh((b, sq, h + 2 * hk, d), 0)
+            return qkv[:, :, :h], qkv[:, :, h:h + hk], qkv[:, :, h + hk:], fresh((b, sq, h, d), 3)
+        if kind == "kv_packed":
+            kv = fresh((b, sk, hk, 2, d), 1)
+            q = fresh((b, h, sq, d), 0).transpose(0, 2, 1, 3)
+            dout = fresh((b, h, sq, d), 3).transpose(0, 2, 1, 3)
+            return q, kv[:, :, :, 0], kv[:, :, :, 1], dout
+        if kind == "padded":
+            pb, ps, ph, pd = self.layout.pad
+
+            def padded(shape, offset):
+                n_b, n_s, n_h, _ = shape
+                buf = fresh((n_b + pb, n_s + ps, n_h + ph, d + pd), offset)
+                return buf[pb:, ps:, ph:, pd:pd + d]
+
+            return padded((b, sq, h, d), 0), padded((b, sk, hk, d), 1), \
+                padded((b, sk, hk, d), 2), padded((b, sq, h, d), 3)
+        raise ValueError(f"unknown layout {kind!r}")
+
+    def visibility(self, elem, xp=np):
+        """Which key each query row sees, bool (heads, seqlen_q, seqlen_k) with heads 1 or
+        nheads: ``elem`` (the block mask's ``to_dense()`` as an ``xp`` array, or None) ANDed
+        with the call's causal rule; None when every row sees every key."""
+        if elem is None and not self.causal:
+            return None
+        visible = xp.ones((1, self.sq, self.sk), bool) if elem is None else elem
+        if self.causal:
+            rows = xp.arange(self.sq)[:, None]
+            visible = visible & (xp.arange(self.sk)[None, :] <= rows + (self.sk - self.sq))
+        return visible
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies: the pieces
+
+def _sizes(special, low, high):
+    """``special`` values in [low, high] or any integer there. Hypothesis favours small
+    integers, so a third branch draws from the upper three quarters of the range."""
+    special = [n for n in special if low <= n <= high] or [low]
+    return st.one_of(st.sampled_from(special), st.integers(low, high),
+                     st.integers(max(low, high // 4), high))
+
+
+def seqlens(max_seqlen):
+    """Lengths 1..max_seqlen, the tile-edge values of SPECIAL_SEQLENS among them."""
+    return _sizes(SPECIAL_SEQLENS, 1, max_seqlen)
+
+
+@st.composite
+def seqlen_pairs(draw, max_seqlen):
+    """(seqlen_q, seqlen_k): equal, or different (either one the longer). Hypothesis likes to
+    repeat a value it drew, so a repeated draw is moved by one to keep the pair unequal."""
+    sq = draw(seqlens(max_seqlen))
+    if max_seqlen == 1 or draw(st.booleans()):
+        return sq, sq
+    sk = draw(seqlens(max_seqlen))
+    if sk == sq:
+        sk = sq + 1 if sq < max_seqlen else sq - 1
+    return sq, sk
+
+
+def head_dims(max_headdim=MAX_HEADDIM, min_headdim=1):
+    return _sizes(SPECIAL_HEADDIMS, min_headdim, max_headdim)
+
+
+@st.composite
+def shapes(draw, *, max_seqlen, max_headdim=MAX_HEADDIM, max_batch=2, max_kv_heads=3,
+           max_group=4, max_scores, max_work, min_elements=1):
+    """Sizes under a budget: ``batch * nheads * seqlen_q * seqlen_k <= max_scores`` (the
+    reference's score matrices) and ``... * headdim <= max_work`` (its matmuls and the NumPy
+    path's loops). The seqlens are drawn first; the head dim, the heads (nheads_k kv heads,
+    ``group`` query heads each: MQA when nheads_k is 1) and the batch take what is left.
+
+    ``min_elements``: q and k (so out, dq, dk and dv) hold at least this many elements, i.e.
+    ``batch * nheads_k * min(seqlen_q, seqlen_k) * headdim >= min_elements``. FlashAttention's
+    rule compares the largest error with a naive implementation's largest error, which means
+    something only over enough elements: over a handful, the naive result can be exact by luck
+    (tests/test_fuzz_gpu.py says how many the fp16/bf16 checks need)."""
+    if max_seqlen ** 2 > max_scores or max_seqlen ** 2 > max_work:
+        raise ValueError("shapes: max_seqlen**2 must fit max_scores and max_work")
+    if max_batch * max_kv_heads * max_headdim < min_elements:
+        raise ValueError("shapes: min_elements is out of reach even at seqlen 1")
+    sq, sk = draw(seqlen_pairs(max_seqlen))
+    fit, short = sq * sk, min(sq, sk)
+
+    def units_at(d):                                    # batch * nheads at most
+        return min(max_scores // fit, max_work // (fit * d))
+
+    def kv_counts(d):
+        """The (nheads_k, batch) pairs that fit the budget and reach min_elements."""
+        return [(hk, b) for hk in range(1, max_kv_heads + 1) for b in range(1, max_batch + 1)
+                if hk * b <= units_at(d) and hk * b * short * d >= min_elements]
+
+    # The smallest head dim that can still reach min_elements, and the largest the budget takes.
+    d_hi = min(max_headdim, max_work // fit)
+    d_lo = next((d for d in range(1, d_hi + 1) if kv_counts(d)), None)
+    if d_lo is None:
+        reject()
+    d = draw(head_dims(d_hi, d_lo))
+    counts = kv_counts(d)
+    if not counts:             # only where rounding leaves a gap between d_lo and d_hi
+        reject()
+    nheads_k, batch = draw(st.sampled_from(counts))
+    group = draw(st.integers(1, min(max_group, units_at(d) // (batch * nheads_k))))
+    return Shape(batch, sq, sk, nheads_k * group, nheads_k, d)
+
+
+def softmax_scales(shape):
+    """None (the default, headdim ** -0.5) or an explicit scale 0.1x..2x the default."""
+    return st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f * shape.d ** -0.5))
+
+
+@st.composite
+def layouts(draw, shape, kinds=LAYOUT_KINDS):
+    kinds = [k for k in kinds if k != "qkv_packed" or shape.sq == shape.sk]
+    kind = draw(st.sampled_from(kinds))
+    if kind != "padded":
+        return Layout(kind)
+    pad = draw(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 3),
+                         st.integers(0, 9)))
+    return Layout(kind, pad)
+
+
+def no_mask(shape):
+    return st.none()
+
+
+def mask_seeds():
+    return st.integers(0, 2**31 - 1)
+
+
+@st.composite
+def block_masks(draw, shape, builders=MASK_BUILDERS):
+    """A MaskSpec for this shape: any builder, block sizes 64/128 on each side, shared or
+    per-head layouts, with or without the mask's own causal rule."""
+    builder = draw(st.sampled_from(builders))
+    fields = dict(builder=builder, block_q=draw(st.sampled_from(MASK_BLOCK_SIZES)),
+                  block_k=draw(st.sampled_from(MASK_BLOCK_SIZES)))
+    if builder in PER_HEAD_BUILDERS:
+        fields["heads"] = draw(st.sampled_from(sorted({1, shape.nheads})))
+    fields["causal"] = True if builder == "causal" else draw(st.booleans())
+    if builder in ("grid", "random"):
+        fields["density"] = draw(st.floats(0.0, 1.0))      # 0 and 1 come up among them
+    if builder in ("sliding_window", "longformer", "bigbird"):
+        fields["window"] = draw(st.integers(1, shape.sq + shape.sk))
+    if builder == "strided":
+        fields["stride"] = draw(st.integers(1, 4))
+    if builder in ("longformer", "bigbird"):
+        fields["global_blocks"] = draw(st.integers(0, 2))
+    if builder == "bigbird":
+        fields["random_blocks"] = draw(st.integers(0, 3))
+    if builder in ("grid", "random", "bigbird"):
+        fields["seed"] = draw(mask_seeds())
+    return MaskSpec(**fields)
+
+
+def maybe_block_masks(shape):
+    return st.one_of(st.none(), block_masks(shape))
+
+
+def input_seeds():
+    # The inputs take seed .. seed + 3 (q, k, v, dout).
+    return st.integers(0, 2**31 - 8)
+
+
+@st.composite
+def cases(draw, *, dtype, shape, causal=st.booleans(), softmax_scale=softmax_scales,
+          layout=layouts, mask=no_mask, deterministic=st.booleans()):
+    """A Case. ``dtype``, ``shape``, ``causal`` and ``deterministic`` are strategies;
+    ``softmax_scale``, ``layout`` and ``mask`` are functions of the drawn Shape that return
+    strategies (``no_mask``, ``block_masks``, ``maybe_block_masks``; ``layouts``, or e.g.
+    ``lambda s: layouts(s, kinds=("contiguous",))``; ``softmax_scales``)."""
+    s = draw(shape)
+    return Case(dtype=draw(dtype), **dataclasses.asdict(s), causal=draw(causal),
+                softmax_scale=draw(softmax_scale(s)), layout=draw(layout(s)),
+                mask=draw(mask(s)), deterministic=draw(deterministic), seed=draw(input_seeds()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared checks and settings
+
+def assert_zero_where_unseen(case, elem, out, dq=None, dk=None, dv=None):
+    """Query rows that see no key have out = 0 and dq = 0 exactly; keys that no query of
+    their group sees have dk = dv = 0 exactly (NumPy or CuPy arrays; ``elem`` is the element
+    mask of the case's block mask in the same array module, or None; the gradients may be
+    left out)."""
+    xp = get_xp(out)
+    visible = case.visibility(elem, xp)
+    if visible is None:
+        return
+    h, hk = case.nheads, case.nheads_k
+    visible = xp.broadcast_to(visible, (h, case.sq, case.sk))
+    empty_rows = ~visible.any(axis=2).T                         # (sq, h)
+    unseen = ~visible.reshape(hk, h // hk, case.sq, case.sk).any(axis=(1, 2)).T   # (sk, hk)
+    for name, a, where in (("out", out, empty_rows), ("dq", dq, empty_rows),
+                           ("dk", dk, unseen), ("dv", dv, unseen)):
+        if a is None or not bool(where.any()):
+            continue
+        nonzero = int(((a.astype(xp.float64) != 0) & where[None, :, :, None]).sum())
+        assert nonzero == 0, f"{name}: {nonzero} nonzero elements where nothing is visible"
+
+
+# derandomize: the same examples on every run (reproducible, comparable before and after a
+# kernel change); no deadline (the first call of a configuration compiles kernels); no example
+# database (nothing written into the checkout); print_blob: a failure prints the
+# @reproduce_failure line besides the falsifying Case.
+settings.register_profile(
+    "cupyflash-fuzz", deadline=None, derandomize=True, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ_PROFILE = settings.get_profile("cupyflash-fuzz")
+
+
+class ExampleCounts:
+    """Examples that passed, per family, printed in pytest's terminal summary."""
+
+    def __init__(self, title):
+        self.title = title
+        self.counts = collections.Counter()
+        self.notes = []
+
+    def passed(self, family):
+        self.counts[family] += 1
+
+    def register(self, config, note=None):
+        if note and note not in self.notes:
+            self.notes.append(note)
+        if not config.pluginmanager.is_registered(self):
+            config.pluginmanager.register(self)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.counts:
+            return
+        parts = ", ".join(f"{family} {n}" for family, n in self.counts.items())
+        line = f"{self.title}: {parts} (total {sum(self.counts.values())})"
+        terminalreporter.write_line(line + "".join(f"; {n}" for n in self.notes))

@@ -1,0 +1,146 @@
+"""Property-based fuzzing of the NumPy path (no GPU) against the plain float64 reference.
+
+NumPy inputs go through the public API (``flash_attention`` with ``return_lse=True``, then
+``flash_attention_backward``) and are compared with tests/reference.py's full-matrix float64
+attention (with ``block_mask.to_dense()`` as the element mask):
+
+- float64: out, lse and dq, dk, dv within 1e-12 of max(max|ref|, 1), as test_numpy_path.py;
+- float32: FlashAttention's rule (DESIGN.md) against a naive float32 implementation: 2x its
+  error for out and lse, 3x for the gradients (as test_numpy_path.py checks low precision);
+- lse is -inf exactly on the rows that see no key; there out and dq are exactly 0, and dk, dv
+  are exactly 0 on keys that no query sees; no NaN, and no floating-point warning other than
+  underflow is raised on the way.
+
+Cases (tests/strategies.py) cover batch, seqlen_q and seqlen_k 1..300 (tile edges 63/64/65,
+127/128/129, 255/256/257, unequal both ways), GQA/MQA, head dims 1..256, float64 and float32,
+causal, packed and padded strided layouts, an explicit softmax_scale, block masks of every builder
+(block sizes 64/128 per side, shared or per head, with or without the mask's own causal) and
+the deterministic flag, under a work budget that keeps the NumPy loops fast.
+
+Budget: a fixed number of examples per family (DENSE_EXAMPLES = 400, SPARSE_EXAMPLES = 300),
+drawn derandomized so CI sees the same cases on every run. Measured on the 2-core CPU-only
+development machine: the whole file takes 9.5 s when the machine is otherwise idle, and up to
+65 s while other jobs compete for its cores (NumPy's two BLAS threads then fight over them).
+The line "fuzz examples run per family (NumPy path): ..." at the end of pytest's output gives
+the counts.
+
+A failure prints the falsifying ``Case(...)`` (whose ``seed`` fixes the inputs) and a
+``@reproduce_failure`` line. To re-run that case alone::
+
+    cd tests && python -c "from strategies import *; import test_fuzz_numpy as t; \
+t.check_case(Case(...))"
+"""
+import numpy as np
+import pytest
+
+pytest.importorskip("hypothesis")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import cupyflash as cf  # noqa: E402
+
+try:
+    from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
+                           attention_ref, attention_ref_backward)
+    from strategies import (FUZZ_PROFILE, ExampleCounts, assert_zero_where_unseen,  # noqa: E402
+                            block_masks, cases, layouts, shapes)
+except ImportError:
+    from tests.reference import (assert_rule, attention_naive,  # noqa: E402
+                                 attention_naive_backward, attention_ref,
+                                 attention_ref_backward)
+    from tests.strategies import (FUZZ_PROFILE, ExampleCounts,  # noqa: E402
+                                  assert_zero_where_unseen, block_masks, cases, layouts, shapes)
+
+F64_REL = 1e-12
+FWD_FACTOR, BWD_FACTOR = 2, 3
+
+DENSE_EXAMPLES = 400
+SPARSE_EXAMPLES = 300
+
+# float64 is the NumPy path's own precision (the tight check): drawn twice as often. fp16/bf16
+# inputs are left to the GPU fuzz: the NumPy path's backward takes out rounded to them, so its
+# gradients can miss the rule by luck of the naive implementation on small shapes.
+CPU_DTYPES = st.sampled_from(("fp64", "fp64", "fp32"))
+# The NumPy path loops over 64 x 64 tiles (or the mask's blocks), per head for per-head masks:
+# these bounds keep one example near 0.1 s.
+CPU_SHAPES = dict(max_seqlen=300, max_batch=2, max_kv_heads=3, max_group=3,
+                  max_scores=2**17, max_work=2**22)
+
+COUNTS = ExampleCounts("fuzz examples run per family (NumPy path)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _report_counts(request):
+    COUNTS.register(request.config)
+
+
+def rel_err(got, ref):
+    """max |got - ref| / max(max |ref|, 1) over the finite entries of ref (the floor of 1:
+    see test_numpy_path.rel_err)."""
+    finite = np.isfinite(ref)
+    scale = max(float(np.abs(ref[finite]).max(initial=0.0)), 1.0)
+    return float(np.abs(got[finite] - ref[finite]).max(initial=0.0)) / scale
+
+
+def check_case(case):
+    """Forward and backward of ``case`` through the public API against the reference."""
+    q, k, v, dout = case.inputs(np)
+    mask = case.block_mask()
+    call = dict(causal=case.causal, softmax_scale=case.softmax_scale, block_mask=mask)
+    # Underflow (exp of a very negative score) is ordinary; NaN, inf and division by zero
+    # are not.
+    with np.errstate(divide="raise", over="raise", invalid="raise"):
+        out, lse = cf.flash_attention(q, k, v, return_lse=True, **call)
+        grads = cf.flash_attention_backward(dout, q, k, v, out, lse,
+                                            deterministic=case.deterministic, **call)
+    elem = None if mask is None else mask.to_dense()
+    ref_out, ref_lse = attention_ref(q, k, v, case.scale, case.causal, elem)
+    ref_grads = attention_ref_backward(dout, q, k, v, case.scale, case.causal, elem)
+
+    assert type(out) is np.ndarray and out.shape == q.shape and out.dtype == q.dtype
+    expected_lse = np.float64 if case.dtype == "fp64" else np.float32
+    assert lse.shape == (case.batch, case.nheads, case.sq) and lse.dtype == expected_lse
+    for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{name}: {g.shape} {g.dtype}"
+    for name, a in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
+        assert not np.isnan(a.astype(np.float64)).any(), f"{name} has NaN"
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse),
+                                  err_msg="lse is -inf exactly on the rows without keys")
+    assert_zero_where_unseen(case, elem, out, *grads)
+
+    if case.dtype == "fp64":
+        for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                  (ref_out, ref_lse, *ref_grads)):
+            err = rel_err(got, ref)
+            assert err < F64_REL, f"{name}: relative error {err:.2e} >= {F64_REL:.0e}"
+        return
+    dtype = case.np_dtype
+    naive_out, naive_lse = attention_naive(q, k, v, case.scale, case.causal, dtype, elem)
+    assert_rule("out", out, ref_out, naive_out, FWD_FACTOR)
+    assert_rule("lse", lse, ref_lse, naive_lse, FWD_FACTOR)
+    naive_grads = attention_naive_backward(dout, q, k, v, case.scale, case.causal, dtype, elem)
+    # One magnitude for the three gradients, as gpu_checks.check_backward does.
+    magnitude = max(float(np.abs(r).max()) for r in ref_grads)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+        assert_rule(name, g, r, n, BWD_FACTOR, magnitude)
+
+
+def _checked(case, family):
+    try:
+        check_case(case)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n  {case!r}") from e
+    COUNTS.passed(family)
+
+
+@settings(FUZZ_PROFILE, max_examples=DENSE_EXAMPLES)
+@given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), layout=layouts))
+def test_numpy_path_dense_matches_reference(case):
+    _checked(case, "dense")
+
+
+@settings(FUZZ_PROFILE, max_examples=SPARSE_EXAMPLES)
+@given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), layout=layouts, mask=block_masks))
+def test_numpy_path_block_sparse_matches_reference(case):
+    _checked(case, "block_sparse")
