@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from . import _bench
+from ._config import MAX_HEADDIM
 from ._validate import DTYPES
 from .api import flash_attention, flash_attention_backward
 
@@ -46,6 +47,10 @@ def reference_one_head(q, k, v, dout, scale, causal):
 
 # --- demo -------------------------------------------------------------------------------
 
+class BadOption(Exception):
+    """The library rejected what a command-line option asked for (a usage error)."""
+
+
 def _time_cpu(fn, repeats):
     fn()
     times = []
@@ -59,10 +64,17 @@ def _time_cpu(fn, repeats):
 def _demo_row(xp, device, dtype, shape, causal, repeats):
     b, s, h, d = shape
     rng = np.random.default_rng(0)
-    host = [rng.standard_normal((b, s, h, d), np.float32).astype(dtype) for _ in range(4)]
-    q, k, v, dout = host if xp is None else [xp.asarray(a) for a in host]
     fwd = lambda: flash_attention(q, k, v, causal=causal, return_lse=True)  # noqa: E731
-    out, lse = fwd()
+    try:
+        host = [rng.standard_normal((b, s, h, d), np.float32).astype(dtype) for _ in range(4)]
+        q, k, v, dout = host if xp is None else [xp.asarray(a) for a in host]
+        out, lse = fwd()
+    except (TypeError, ValueError, MemoryError) as e:
+        # The first call validates; by the library's convention a TypeError is about the dtype
+        # and a ValueError about the shape, which names the option to change.
+        option, value = (("--dtype", np.dtype(dtype).name) if isinstance(e, TypeError)
+                         else ("--shape", ",".join(map(str, shape))))
+        raise BadOption(f"argument {option}: {value}: {str(e).splitlines()[0]}") from e
     bwd = lambda: flash_attention_backward(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
     if xp is None:
         fwd_ms, bwd_ms = _time_cpu(fwd, repeats), _time_cpu(bwd, repeats)
@@ -96,13 +108,16 @@ def demo(args):
         shape = args.shape or GPU_SHAPE
         repeats = args.repeats or 10
     else:
-        print(f"no CUDA GPU ({why}): running the NumPy path on the CPU, small shapes\n")
+        print(f"{why}: running the NumPy path on the CPU, small shapes\n")
         device = "numpy (CPU)"
         dtypes = args.dtype or ["float64"]
         shape = args.shape or CPU_SHAPE
         repeats = args.repeats or 3
-    rows = [_demo_row(cp, device, _bench.np_dtype(dt), shape, causal, repeats)
-            for dt in dtypes for causal in (False, True)]
+    try:
+        rows = [_demo_row(cp, device, _bench.np_dtype(dt), shape, causal, repeats)
+                for dt in dtypes for causal in (False, True)]
+    except BadOption as e:
+        args.usage_error(str(e))
     header = ["implementation", "dtype", "shape (b, s, h, d)", "causal", "fwd ms", "fwd TFLOP/s",
               "bwd ms", "bwd TFLOP/s", "err out", "err dq/dk/dv", "peak MiB fwd / bwd"]
     print(_bench.table_text(header, rows))
@@ -121,7 +136,7 @@ def demo(args):
 def warmup(args):
     cp, why = _bench.gpu_or_reason()
     if cp is None:
-        print(f"warmup needs a CUDA GPU; none is usable ({why})", file=sys.stderr)
+        print(f"warmup needs a CUDA GPU: {why}", file=sys.stderr)
         return 1
     from . import _compile, _launch
     wanted = {_launch.ELEM[d] for d in (args.dtype or DTYPES)}
@@ -158,7 +173,7 @@ NAIVE_MAX_SEQLEN = 8192          # beyond, naive's seqlen^2 matrices crowd an 80
 def bench(args):
     cp, why = _bench.gpu_or_reason()
     if cp is None:
-        print(f"bench needs a CUDA GPU; none is usable ({why})", file=sys.stderr)
+        print(f"bench needs a CUDA GPU: {why}", file=sys.stderr)
         return 1
     if args.plot:
         try:
@@ -216,12 +231,28 @@ def _shape(text):
         shape = ()
     if len(shape) != 4 or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"expected four positive integers b,s,h,d, got {text!r}")
+    if shape[3] > MAX_HEADDIM:
+        raise argparse.ArgumentTypeError(f"head dim d is at most {MAX_HEADDIM}, got {text!r}")
     return shape
+
+
+def _int_at_least(low):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+    return parse
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__.split("\n")[0])
+    # The docstring's RST literals would show their backticks in --help.
+    parser = argparse.ArgumentParser(prog="python -m cupyflash",
+                                     description=__doc__.split("\n")[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", metavar="{demo,warmup,bench}")
     p = sub.add_parser("demo", help="time forward and backward, check against float64 (default)")
     p.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
@@ -230,8 +261,9 @@ def main(argv=None):
     p.add_argument("--dtype", action="append", choices=DTYPES,
                    help="repeat for several (default bf16 and fp16 on sm_80+, else float32; "
                         "float64 on the CPU)")
-    p.add_argument("--repeats", type=int, help="timed calls (default 10 on GPU, 3 on CPU)")
-    p.set_defaults(func=demo)
+    p.add_argument("--repeats", type=_int_at_least(1),
+                   help="timed calls (default 10 on GPU, 3 on CPU)")
+    p.set_defaults(func=demo, usage_error=p.error)
     p = sub.add_parser("warmup", help="compile every kernel for the current GPU")
     p.add_argument("--dtype", action="append", choices=DTYPES,
                    help="only kernels of this dtype (repeat for several; default all)")
@@ -251,8 +283,10 @@ def main(argv=None):
                                                   "benchmarks/results/)")
     p.add_argument("--impl", action="append", choices=_bench.DENSE_IMPLS,
                    help="only these implementations (repeatable; default all that import)")
-    p.add_argument("--reps", type=int, default=20, help="timed calls per number (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="calls before timing (default 3)")
+    p.add_argument("--reps", type=_int_at_least(1), default=20,
+                   help="timed calls per number (default 20)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=3,
+                   help="calls before timing (default 3)")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv or ["demo"])
     return args.func(args)

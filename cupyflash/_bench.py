@@ -80,14 +80,12 @@ class Unavailable(Exception):
 
 
 def gpu_or_reason():
-    """(cupy, None) when CuPy sees a CUDA GPU, else (None, why not)."""
+    """(cupy, None) when CuPy sees a CUDA GPU, else (None, why not, in plain words)."""
     if cp is None:
         return None, _CUPY_ERROR
-    try:
-        count = cp.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no driver, too old a driver, CUDA runtime missing, ...
-        return None, f"{type(e).__name__}: {e}"
-    return (cp, None) if count > 0 else (None, "CUDA reports 0 devices")
+    from ._gpu import no_gpu_reason
+    why = no_gpu_reason(cp.cuda.runtime)
+    return (cp, None) if why is None else (None, why)
 
 
 def np_dtype(name):

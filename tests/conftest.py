@@ -3,21 +3,14 @@ import functools
 
 import pytest
 
+from cupyflash._bench import gpu_or_reason
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_skip_reason():
-    """None when a CUDA GPU is usable through CuPy, else why not."""
-    try:
-        import cupy
-    except Exception as e:  # ImportError, or a broken CuPy install
-        return f"needs a CUDA GPU: CuPy is not importable ({type(e).__name__}: {e})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no driver, no device, CUDA runtime missing, ...
-        return f"needs a CUDA GPU: CUDA is not usable ({type(e).__name__}: {e})"
-    if count == 0:
-        return "needs a CUDA GPU: CUDA reports 0 devices"
-    return None
+    """None when a CUDA GPU is usable through CuPy, else why not (the CLI's wording)."""
+    _, why = gpu_or_reason()
+    return None if why is None else f"needs a CUDA GPU: {why}"
 
 
 def pytest_configure(config):
