@@ -4,10 +4,19 @@ Sources are assembled in Python: every ``#include "x.cuh"`` of our own is replac
 the header's text (once per header), so the source string handed to CuPy contains every
 line that is compiled. CuPy's on-disk cache hashes that string, which makes its key change
 whenever any ``.cu``/``.cuh`` changes. Modules are compiled lazily and memoized per
-(device, source, name expressions).
+(device, source, name expressions), each key compiled once even when threads ask for it at
+the same time.
+
+CuPy's disk cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) may be read-only
+where it already holds every kernel a call needs. A kernel missing from a read-only cache
+raises an OSError naming the directory: NVRTC has compiled it, but CuPy cannot store it
+(``CUPY_CACHE_IN_MEMORY=1`` compiles without the disk cache). Damaged cache files (truncated,
+garbage) fail CuPy's checksum and are compiled again and rewritten.
 """
 import functools
+import os
 import re
+import threading
 from pathlib import Path
 
 CUDA_DIR = next(p for p in (Path(__file__).parent / "cuda", Path(__file__).parent.parent / "cuda")
@@ -48,12 +57,63 @@ def template_name(kernel, *args):
     return f"{kernel}<{', '.join(spell(a) for a in args)}>"
 
 
-@functools.lru_cache(maxsize=None)
+def _once_per_key(fn):
+    """Memoize ``fn`` by its arguments so that it runs once per key under concurrency:
+    functools.lru_cache runs the function once per thread that misses at the same time, which
+    for ``_module`` is one NVRTC compile each. A lock per key lets different keys compile in
+    parallel. ``fn`` never returns None; an exception is not cached (the next call tries again). ``cache_clear()`` as
+    lru_cache's."""
+    results, locks, guard = {}, {}, threading.Lock()
+
+    @functools.wraps(fn)
+    def memoized(*args):
+        result = results.get(args)
+        if result is not None:
+            return result
+        with guard:
+            lock = locks.setdefault(args, threading.Lock())
+        with lock:
+            if args not in results:
+                results[args] = fn(*args)
+            return results[args]
+
+    def cache_clear():
+        with guard:
+            results.clear()
+            locks.clear()
+
+    memoized.cache_clear = cache_clear
+    return memoized
+
+
+@_once_per_key
 def _module(device_id, filename, names):
     import cupy
     with cupy.cuda.Device(device_id):
-        return cupy.RawModule(code=source(filename), options=NVRTC_OPTIONS,
-                              name_expressions=list(names))
+        module = cupy.RawModule(code=source(filename), options=NVRTC_OPTIONS,
+                                name_expressions=list(names))
+        try:
+            # CuPy compiles at the first get_function; here it runs under this key's lock.
+            module.compile()
+        except OSError as e:
+            error = _cache_error(e)
+            if error is None:
+                raise
+            raise error from e
+    return module
+
+
+def _cache_error(e):
+    """A clearer OSError for one raised while CuPy writes into its kernel cache, else None."""
+    cache_dir = os.path.abspath(os.environ.get("CUPY_CACHE_DIR")
+                                or os.path.expanduser("~/.cupy/kernel_cache"))
+    if not e.filename or os.path.dirname(os.path.abspath(e.filename)) != cache_dir:
+        return None
+    # OSError(errno, text) gives the errno's subclass (PermissionError, ...), as CuPy raised.
+    return OSError(e.errno, f"CuPy's kernel cache directory {cache_dir} cannot be written "
+                            f"({e.strerror}): a kernel compiled by cupyflash could not be "
+                            f"stored. Set CUPY_CACHE_DIR to a writable directory, or "
+                            f"CUPY_CACHE_IN_MEMORY=1 to compile without the disk cache")
 
 
 def get_kernel(filename, name):
