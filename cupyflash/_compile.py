@@ -61,8 +61,8 @@ def _once_per_key(fn):
     """Memoize ``fn`` by its arguments so that it runs once per key under concurrency:
     functools.lru_cache runs the function once per thread that misses at the same time, which
     for ``_module`` is one NVRTC compile each. A lock per key lets different keys compile in
-    parallel. ``fn`` never returns None; an exception is not cached (the next call tries again). ``cache_clear()`` as
-    lru_cache's."""
+    parallel. ``fn`` never returns None; an exception is not cached (the next call tries
+    again). ``cache_clear()`` as lru_cache's."""
     results, locks, guard = {}, {}, threading.Lock()
 
     @functools.wraps(fn)
