@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
-# The GPU job: kernel warm-up, tests, the comparison benchmark (python -m cupyflash bench) and
-# the block-sparse benchmark. Run from the repo root on a GPU machine:
+# The GPU job: kernel warm-up, tests, compute-sanitizer, the comparison benchmark (python -m
+# cupyflash bench) and the block-sparse benchmark. Run from the repo root on a GPU machine:
 #
 #   bash benchmarks/gpu_suite.sh            # everything
-#   bash benchmarks/gpu_suite.sh quick      # tests without the seqlen-2048 cases, bench --quick
+#   bash benchmarks/gpu_suite.sh quick      # tests without the seqlen-2048 cases and the
+#                                           # scale tests, bench --quick
 #   SUITE_TESTS="tests/test_gpu_dense.py -k fwd" bash benchmarks/gpu_suite.sh
 #
-# Results go to $OUT (default ./gpu_out), eight files at most: prewarm.log, gpu_tests.log,
-# gpu_tests.xml, bench.log (both benchmarks), bench.json, bench.png, bench_sparse.json,
-# cupy_cache.tar.gz. The NVRTC cache lives in ./.cupy_cache (git-ignored); carry it to the
-# next machine to skip compiling. The pytest-benchmark suite (pytest benchmarks/) is not run
-# here: it measures the same things, case by case, for pytest-benchmark's JSON.
+# Results go to $OUT (default ./gpu_out), five files (a lent GPU machine returns at most
+# eight): logs.tar.gz (prewarm.log, gpu_tests.log, gpu_tests.xml, sanitize.log with one log
+# per run under sanitize/, bench.log; packed on exit, also when a step fails), bench.json,
+# bench.png, bench_sparse.json, cupy_cache.tar.gz. Each log is also printed as it is written,
+# and a summary comes last. The NVRTC cache lives in ./.cupy_cache (git-ignored); carry it to
+# the next machine to skip compiling. The pytest-benchmark suite (pytest benchmarks/) is not
+# run here: it measures the same things, case by case, for pytest-benchmark's JSON.
 # Env: PYTHON (default python3), SUITE_TESTS (pytest arguments, shell-quoted),
 # PREWARM=0 to skip the parallel compile, PREWARM_JOBS (default: CPU count),
-# SKIP_DENSE_BENCH=1 / SKIP_SPARSE_BENCH=1 to skip the comparison / block-sparse benchmark.
+# SKIP_SANITIZE=1 / SKIP_DENSE_BENCH=1 / SKIP_SPARSE_BENCH=1 to skip compute-sanitizer / the
+# comparison / the block-sparse benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)/logs
+mkdir -p "$LOGS"
+pack_logs() { tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$LOGS")" logs; }
+trap pack_logs EXIT
+trap 'exit 143' TERM INT    # so that the EXIT trap runs when the job is stopped
 PY=${PYTHON:-python3}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -94,7 +103,7 @@ def main():
 if __name__ == "__main__":
     main()
 EOF
-    "$PY" "$PREWARM_PY" 2>&1 | tee "$OUT/prewarm.log"
+    "$PY" "$PREWARM_PY" 2>&1 | tee "$LOGS/prewarm.log"
     echo "prewarm took ${SECONDS} s"
 fi
 
@@ -102,7 +111,7 @@ fi
 if [ -n "${SUITE_TESTS:-}" ]; then
     eval "TESTS=($SUITE_TESTS)"
 elif [ "$MODE" = quick ]; then
-    TESTS=(tests --ignore=tests/test_compile.py -k "not 2048")
+    TESTS=(tests --ignore=tests/test_compile.py --ignore=tests/test_gpu_scale.py -k "not 2048")
 else
     # The NVRTC compile checks are CI's (the prewarm above already compiled for this GPU).
     TESTS=(tests --ignore=tests/test_compile.py)
@@ -113,33 +122,43 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then
 fi
 SECONDS=0
 "$PY" -m pytest "${TESTS[@]}" -q -rs ${TIMEOUT[@]+"${TIMEOUT[@]}"} -p no:cacheprovider \
-    --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+    --junitxml="$LOGS/gpu_tests.xml" 2>&1 | tee "$LOGS/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
 echo "tests took ${SECONDS} s (exit $TEST_RC)"
 
-# 3. Benchmarks: the comparison table and figure, then block-sparse; one log for both.
+# 3. compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over every kernel family.
+SANITIZE_RC=0
+: > "$LOGS/sanitize.log"
+if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
+    SECONDS=0
+    "$PY" benchmarks/sanitize.py --log-dir "$LOGS/sanitize" 2>&1 | tee "$LOGS/sanitize.log"
+    SANITIZE_RC=${PIPESTATUS[0]}
+    echo "sanitizer took ${SECONDS} s (exit $SANITIZE_RC)"
+fi
+
+# 4. Benchmarks: the comparison table and figure, then block-sparse; one log for both.
 QUICK=()
 [ "$MODE" = quick ] && QUICK=(--quick)
-: > "$OUT/bench.log"
+: > "$LOGS/bench.log"
 BENCH_RC=0
 if [ "${SKIP_DENSE_BENCH:-0}" != 1 ]; then
     SECONDS=0
     "$PY" -m cupyflash bench ${QUICK[@]+"${QUICK[@]}"} --json "$OUT/bench.json" \
-        --plot "$OUT/bench.png" 2>&1 | tee -a "$OUT/bench.log"
+        --plot "$OUT/bench.png" 2>&1 | tee -a "$LOGS/bench.log"
     BENCH_RC=${PIPESTATUS[0]}
     echo "comparison benchmark took ${SECONDS} s (exit $BENCH_RC)"
 fi
 SPARSE_RC=0
 if [ "${SKIP_SPARSE_BENCH:-0}" != 1 ]; then
     SECONDS=0
-    echo "=== bench_sparse run ===" >> "$OUT/bench.log"
+    echo "=== bench_sparse run ===" >> "$LOGS/bench.log"
     "$PY" benchmarks/bench_sparse.py --out "$OUT" ${QUICK[@]+"${QUICK[@]}"} 2>&1 \
-        | tee -a "$OUT/bench.log"
+        | tee -a "$LOGS/bench.log"
     SPARSE_RC=${PIPESTATUS[0]}
     echo "sparse benchmark took ${SECONDS} s (exit $SPARSE_RC)"
 fi
 
-# 4. The compile cache, so the next machine need not compile again.
+# 5. The compile cache, so the next machine need not compile again.
 tar -czf "$OUT/cupy_cache.tar.gz" -C "$PWD" .cupy_cache
 SIZE=$(stat -c %s "$OUT/cupy_cache.tar.gz")
 echo "cupy cache: $(find "$CUPY_CACHE_DIR" -type f | wc -l) files, tarball $((SIZE / 1024)) KiB"
@@ -147,15 +166,30 @@ if [ "$SIZE" -gt $((15 * 1024 * 1024)) ]; then
     echo "WARNING: cupy_cache.tar.gz is over 15 MiB and may not come back from the device"
 fi
 
-# 5. Summary, last.
+# 6. Summary, last.
 echo
 echo "=== summary ==="
-grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" "$OUT/gpu_tests.log" \
-    | tail -n 1 || echo "no pytest summary line (exit $TEST_RC)"
+grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" \
+    "$LOGS/gpu_tests.log" | tail -n 1 || echo "no pytest summary line (exit $TEST_RC)"
+# The 1M-token figures: junit properties of tests/test_gpu_scale.py.
+"$PY" - "$LOGS/gpu_tests.xml" <<'EOF' || true
+import sys
+import xml.etree.ElementTree as ET
+props = {p.get("name"): p.get("value") for p in ET.parse(sys.argv[1]).iter("property")
+         if p.get("name", "").startswith("million_")}
+if props:
+    g = lambda n: props.get("million_" + n, "?")
+    print(f"1M tokens causal bf16: fwd {g('fwd_seconds')} s ({g('fwd_tflops')} TFLOP/s), "
+          f"bwd {g('bwd_seconds')} s ({g('bwd_tflops')} TFLOP/s); peak in use fwd "
+          f"{g('fwd_peak_gib')} GiB ({g('fwd_unavoidable_gib')} unavoidable), bwd "
+          f"{g('bwd_peak_gib')} GiB ({g('bwd_unavoidable_gib')} unavoidable)")
+EOF
+grep "^sanitize:" "$LOGS/sanitize.log" | tail -n 1 || echo "sanitize: not run"
 # Each table runs from its "=== ... table ===" line to the next "=== " line.
 for TABLE in bench bench_sparse; do
     echo
-    awk -v want="=== $TABLE table ===" '/^=== /{p = ($0 == want); next} p' "$OUT/bench.log"
+    awk -v want="=== $TABLE table ===" '/^=== /{p = ($0 == want); next} p' "$LOGS/bench.log"
 done
-echo "exit: tests $TEST_RC, comparison benchmark $BENCH_RC, sparse benchmark $SPARSE_RC"
-[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$SPARSE_RC" = 0 ]
+echo "exit: tests $TEST_RC, sanitizer $SANITIZE_RC, comparison benchmark $BENCH_RC, sparse" \
+    "benchmark $SPARSE_RC"
+[ "$TEST_RC" = 0 ] && [ "$SANITIZE_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$SPARSE_RC" = 0 ]

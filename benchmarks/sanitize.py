@@ -1,0 +1,448 @@
+"""compute-sanitizer over every kernel family, at small sizes with odd tails.
+
+    python benchmarks/sanitize.py                       # plain run, then the four tools
+    python benchmarks/sanitize.py --tools racecheck --log-dir DIR
+    python benchmarks/sanitize.py --list                # the cases (no GPU needed)
+
+First the driver runs every case without a sanitizer, spread over processes: that compiles the
+kernels into CuPy's disk cache (``CUPY_CACHE_DIR``, default ``./.cupy_cache``) and checks the
+results. Then each tool (memcheck, racecheck, synccheck, initcheck) is one
+``compute-sanitizer --tool X --error-exitcode 1 python3 sanitize.py --driver`` run over all
+cases, the tools side by side (``--jobs``), next to a run of the same tool over a small kernel
+with an error of the kind it looks for planted in it (``--planted``), which must be reported:
+it shows that the tool sees this process's kernels and allocations. Prints one line per tool
+with its error count (from "ERROR SUMMARY: N errors", racecheck's "RACECHECK SUMMARY"), then
+``sanitize: ...`` with all counts, and exits 1 on any sanitizer error, failed check, missed
+planted error or timeout.
+
+The cases cover the forward kernel, the backward with atomic dQ (dK/dV pass and dQ
+conversion) and the deterministic backward (its own dQ pass), block-sparse forward and
+backward, the plain float32/float64 kernels, every dtype, every head-dim bucket's tile shape
+(head dims 27, 32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256), sequence tails (1, 17, 97,
+130, 200, 255, 257, 300) with seqlen_q != seqlen_k both ways, causal and not (rows that see no
+key included), GQA and MQA.
+
+The driver allocates with plain cudaMalloc (``cupy.cuda.set_allocator(None)``): inside a block
+of CuPy's pool an out-of-bounds access lands in memory memcheck counts as allocated. Its
+inputs are drawn and its references computed on the host (tests/reference.py, the tolerance
+rule of tests/gpu_checks.py), so the only device work under the tools is copies and our
+kernels.
+"""
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+# memcheck: 256 bytes of padding after every allocation, so that a read past the end of one
+# array is not a valid read of the next one.
+TOOL_ARGS = {"memcheck": ("--padding", "256")}
+HALF = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    sq: int
+    sk: int
+    d: int
+    causal: bool
+    batch: int = 1
+    nheads: int = 2
+    nheads_k: int = 2
+    block: tuple = None      # (block_q, block_k) of a BlockMask, None for dense
+
+    @property
+    def id(self):
+        heads = f"h{self.nheads}" if self.nheads == self.nheads_k else \
+            f"h{self.nheads}k{self.nheads_k}"
+        sparse = f"-bs{self.block[0]}x{self.block[1]}" if self.block else ""
+        return (f"{self.dtype}-b{self.batch}-{heads}-q{self.sq}-k{self.sk}-d{self.d}{sparse}-"
+                f"{'causal' if self.causal else 'full'}")
+
+    @property
+    def modes(self):
+        """Backward variants: atomic dQ and the deterministic dQ pass for the tensor-core
+        kernels; the plain kernels have one."""
+        return ("atomic", "deterministic") if self.dtype in HALF else ("plain",)
+
+
+CASES = (
+    # Tensor-core kernels, dense.
+    Case("bf16", 130, 97, 128, True, nheads=4, nheads_k=2),    # GQA; 33 rows see no key
+    Case("fp16", 17, 130, 40, False),                          # d=64 bucket, two K/V buffers
+    Case("bf16", 97, 17, 72, True, batch=2, nheads=3, nheads_k=1),   # MQA, d=96 bucket
+    Case("fp16", 1, 97, 256, True),
+    Case("bf16", 130, 1, 256, False),
+    Case("fp16", 97, 130, 128, False, nheads=2, nheads_k=1),
+    Case("bf16", 130, 130, 64, True),
+    Case("fp16", 130, 97, 200, False),                         # d=224 bucket, 8-warp forward
+    Case("bf16", 17, 97, 160, True),
+    Case("bf16", 97, 130, 27, False),                          # rows not 16-byte multiples
+    Case("bf16", 64, 64, 32, True),                            # whole tiles
+    Case("bf16", 1, 1, 64, False),
+    Case("fp16", 257, 255, 64, False, batch=2),                # several two-buffer steps
+    Case("fp16", 300, 257, 96, True, nheads=4, nheads_k=2),
+    Case("bf16", 256, 256, 128, True, batch=2, nheads=3, nheads_k=3),   # launch groups
+    Case("bf16", 257, 300, 192, False),
+    Case("fp16", 200, 200, 224, True),
+    # Block-sparse (block rows and columns that see nothing where there are three or more).
+    Case("bf16", 130, 200, 64, False, block=(64, 128)),
+    Case("fp16", 200, 130, 128, True, nheads=4, nheads_k=2, block=(128, 64)),
+    Case("fp32", 97, 130, 40, False, block=(64, 64)),
+    Case("fp64", 130, 97, 72, True, block=(64, 64)),
+    # Plain float32 / float64 kernels.
+    Case("fp32", 17, 130, 72, True, nheads=4, nheads_k=2),
+    Case("fp64", 130, 97, 40, False, batch=2),
+    Case("fp64", 1, 17, 256, True),
+    Case("fp32", 130, 1, 256, False),
+    Case("fp32", 255, 300, 128, False, nheads=4, nheads_k=1),
+    Case("fp64", 257, 97, 96, True, nheads=3, nheads_k=1),
+)
+
+# One error of each tool's kind: a read one element past an array (memcheck), warps writing
+# the same shared words without a barrier (racecheck), a barrier only half the block reaches
+# (synccheck), a read of memory nothing wrote (initcheck).
+PLANTED_SOURCE = r"""
+extern "C" __global__ void memcheck(const float* x, float* y, int n) {
+    if (threadIdx.x == 0) y[0] = x[n];
+}
+extern "C" __global__ void racecheck(const float* x, float* y, int n) {
+    __shared__ float s[32];
+    s[threadIdx.x % 32] = threadIdx.x;
+    y[threadIdx.x] = s[(threadIdx.x + 1) % 32];
+}
+extern "C" __global__ void synccheck(const float* x, float* y, int n) {
+    if (threadIdx.x < 16) __syncthreads();
+    y[threadIdx.x] = 1.f;
+}
+extern "C" __global__ void initcheck(const float* x, float* y, int n) {
+    y[threadIdx.x] = x[threadIdx.x];
+}
+"""
+PLANTED_THREADS = 64
+
+
+# --- the driver: what runs under each tool ---------------------------------------------------
+
+def _block_mask(case):
+    """A BlockMask for the case: block row 1 and block column 1 dropped (where there are
+    three or more, so that some rows and keys see nothing) and the last block of row 0
+    (a row with a shorter list)."""
+    import numpy as np
+    import cupyflash as cf
+    bq, bk = case.block
+    grid = np.ones((-(-case.sq // bq), -(-case.sk // bk)), bool)
+    if grid.shape[0] >= 3:
+        grid[1] = False
+    if grid.shape[1] >= 3:
+        grid[:, 1] = False
+    if grid.shape[1] >= 2:
+        grid[0, -1] = False
+    return cf.BlockMask.from_dense(grid, (bq, bk), seqlen_q=case.sq, seqlen_k=case.sk)
+
+
+def _host_inputs(case):
+    from tests.gpu_checks import DTYPES
+    from tests.reference import random_inputs
+    import numpy as np
+    seed = zlib.crc32(case.id.encode())
+    shape_q = (case.batch, case.sq, case.nheads, case.d)
+    shape_kv = (case.batch, case.sk, case.nheads_k, case.d)
+    q, k, v = random_inputs(np, shape_q, shape_kv, DTYPES[case.dtype], seed)
+    dout = random_inputs(np, shape_q, shape_q, DTYPES[case.dtype], seed + 3)[0]
+    return q, k, v, dout
+
+
+def _run_gpu(case, host, block_mask):
+    """out, lse and {mode: (dq, dk, dv)}, copied to the host."""
+    import cupy as cp
+    import cupyflash as cf
+    q, k, v, dout = (cp.asarray(x) for x in host)
+    scale = case.d ** -0.5
+    out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
+                                  block_mask=block_mask, return_lse=True)
+    grads = {}
+    for mode in case.modes:
+        g = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
+                                        softmax_scale=scale, block_mask=block_mask,
+                                        deterministic=mode == "deterministic")
+        grads[mode] = tuple(cp.asnumpy(x) for x in g)
+    return cp.asnumpy(out), cp.asnumpy(lse), grads
+
+
+def _assert_close(name, got, ref, rtol, magnitude):
+    import numpy as np
+    got = got.astype(np.float64)
+    assert np.isfinite(got).all(), f"{name} is not finite everywhere"
+    err = float(np.abs(got - ref).max())
+    assert err <= rtol * max(magnitude, 1e-30), \
+        f"{name}: max error {err:.3e} > {rtol:.1e} * {magnitude:.3e}"
+
+
+def _check(case, host, result, block_mask):
+    """The results against the float64 reference on the host, by tests/gpu_checks.py's rule."""
+    import numpy as np
+    from tests.gpu_checks import BWD_FACTOR, FP64_RTOL, FWD_FACTOR, LSE_RTOL, fp32_rtol
+    from tests.reference import (assert_rule, attention_naive, attention_naive_backward,
+                                 attention_ref, attention_ref_backward)
+    q, k, v, dout = host
+    out, lse, grads = result
+    scale = case.d ** -0.5
+    mask = None if block_mask is None else block_mask.to_dense()
+    ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask)
+    refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask)
+    magnitude = max(float(np.abs(r).max()) for r in refs)
+    names = ("dq", "dk", "dv")
+    if case.dtype in HALF:
+        naive_out, _ = attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask)
+        assert_rule("out", out, ref_out, naive_out, FWD_FACTOR)
+        naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype, mask=mask)
+        for mode, g in grads.items():
+            for name, got, ref, naive in zip(names, g, refs, naives):
+                assert_rule(f"{name} ({mode})", got, ref, naive, BWD_FACTOR, magnitude)
+    else:
+        rtol = fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else FP64_RTOL
+        _assert_close("out", out, ref_out, rtol, float(np.abs(ref_out).max()))
+        for mode, g in grads.items():
+            for name, got, ref in zip(names, g, refs):
+                _assert_close(f"{name} ({mode})", got, ref, rtol, magnitude)
+    lse = lse.astype(np.float64)
+    seen = np.isfinite(ref_lse)
+    assert (np.isneginf(lse) == ~seen).all(), "lse is not -inf exactly on the rows without keys"
+    err = np.abs(lse[seen] - ref_lse[seen])
+    assert (err <= LSE_RTOL[case.dtype] * np.maximum(np.abs(ref_lse[seen]), 1.0)).all(), \
+        f"lse: max error {float(err.max(initial=0)):.3e}"
+
+
+def planted(tool):
+    """Launch the kernel with ``tool``'s kind of error (see PLANTED_SOURCE)."""
+    import cupy as cp
+    cp.cuda.set_allocator(None)
+    x = cp.empty(PLANTED_THREADS, cp.float32)
+    if tool != "initcheck":
+        x.fill(1)
+    y = cp.zeros(PLANTED_THREADS, cp.float32)
+    kernel = cp.RawModule(code=PLANTED_SOURCE).get_function(tool)
+    kernel((1,), (PLANTED_THREADS,), (x, y, cp.int32(PLANTED_THREADS)))
+    cp.cuda.Device().synchronize()
+    print(f"planted: {tool} kernel ran")
+    return 0
+
+
+def driver(ids):
+    """Run and check the cases (all, or those named); the exit status is 3 if a check failed."""
+    import cupy as cp
+    from cupyflash import _launch
+    from tests.gpu_checks import DTYPES
+    cp.cuda.set_allocator(None)
+    cases = [c for c in CASES if not ids or c.id in ids]
+    failed = skipped = 0
+    for case in cases:
+        t0 = time.perf_counter()
+        block_mask = _block_mask(case) if case.block else None
+        try:
+            _launch.check_supported(DTYPES[case.dtype], case.d, block_mask)
+        except (TypeError, ValueError) as e:
+            skipped += 1
+            print(f"skip {case.id}: {e}", flush=True)
+            continue
+        host = _host_inputs(case)
+        try:
+            _check(case, host, _run_gpu(case, host, block_mask), block_mask)
+            print(f"ok   {case.id} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        except AssertionError as e:
+            failed += 1
+            print(f"FAIL {case.id}: {e}", flush=True)
+    print(f"driver: {len(cases)} cases, {failed} failed, {skipped} skipped", flush=True)
+    return 3 if failed else 0
+
+
+# --- the runner ------------------------------------------------------------------------------
+
+def _find_sanitizer():
+    found = os.environ.get("COMPUTE_SANITIZER") or shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for pattern in ("/usr/local/cuda/bin/compute-sanitizer",
+                    "/usr/local/cuda*/bin/compute-sanitizer",
+                    "/usr/local/cuda*/compute-sanitizer/compute-sanitizer",
+                    "/opt/nvidia/*/compute-sanitizer"):
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def _driver_cmd(ids):
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--driver"]
+    for i in ids:
+        cmd += ["--case", i]
+    return cmd
+
+
+def _run_logged(cmd, log_path, env, timeout):
+    """(exit status or None on timeout, seconds, log text)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    return rc, time.perf_counter() - t0, Path(log_path).read_text(errors="replace")
+
+
+def _driver_summary(text):
+    m = re.findall(r"^driver: (\d+) cases, (\d+) failed, (\d+) skipped", text, re.M)
+    if not m:
+        return None, "driver did not finish"
+    _, failed, skipped = (int(x) for x in m[-1])
+    note = f"checks {'ok' if not failed else f'{failed} FAILED'}"
+    return failed, note + (f", {skipped} skipped" if skipped else "")
+
+
+def _error_count(text):
+    """The tool's error count (racecheck prints its own summary instead of ERROR SUMMARY)."""
+    m = re.findall(r"ERROR SUMMARY: (\d+) errors?", text) or \
+        re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?", text)
+    return int(m[-1]) if m else None
+
+
+def _warning_note(text):
+    m = re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \(\d+ errors?, (\d+) warnings?",
+                   text)
+    return f", {m[-1]} warnings" if m else ""
+
+
+def _excerpt(text, limit=60):
+    """The first reports of a sanitizer log and every failed check, for the console."""
+    lines = text.splitlines()
+    keep = [l for l in lines if l.startswith(("FAIL ", "skip "))]
+    first = next((i for i, l in enumerate(lines) if l.startswith("========= ")
+                  and "COMPUTE-SANITIZER" not in l and "ERROR SUMMARY" not in l), None)
+    if first is not None:
+        keep += lines[first:first + limit]
+    return keep
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tools", default=",".join(TOOLS),
+                    help="comma-separated, from " + ", ".join(TOOLS))
+    ap.add_argument("--case", action="append", default=[], help="a case id (repeatable)")
+    ap.add_argument("--list", action="store_true", help="print the case ids and exit")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--planted", choices=TOOLS, help=argparse.SUPPRESS)
+    ap.add_argument("--no-plain", action="store_true",
+                    help="skip the plain run (the kernels are already in the disk cache)")
+    ap.add_argument("--jobs", type=int, default=len(TOOLS), help="tools run side by side")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per tool")
+    ap.add_argument("--log-dir", help="where each run's full log goes (default: a temp dir)")
+    args = ap.parse_args(argv)
+    if args.list:
+        for c in CASES:
+            print(c.id)
+        return 0
+    unknown = set(args.case) - {c.id for c in CASES}
+    if unknown:
+        ap.error(f"unknown case(s): {', '.join(sorted(unknown))} (see --list)")
+    if args.driver:
+        return driver(set(args.case))
+    if args.planted:
+        return planted(args.planted)
+    tools = [t for t in args.tools.split(",") if t]
+    bad = [t for t in tools if t not in TOOLS]
+    if bad:
+        ap.error(f"unknown tool(s) {bad}, expected some of {TOOLS}")
+
+    env = dict(os.environ)
+    env.setdefault("CUPY_CACHE_DIR", str(ROOT / ".cupy_cache"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sanitize_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ids = args.case or [c.id for c in CASES]
+    print(f"sanitize: {len(ids)} cases, tools {', '.join(tools)}; logs in {log_dir}; "
+          f"CUPY_CACHE_DIR={env['CUPY_CACHE_DIR']}", flush=True)
+    ok = True
+
+    if not args.no_plain:
+        jobs = max(1, min(os.cpu_count() or 1, len(ids)))
+        groups = [ids[i::jobs] for i in range(jobs)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(jobs) as pool:
+            runs = list(pool.map(lambda g: _run_logged(_driver_cmd(g[1]),
+                                                       log_dir / f"plain_{g[0]}.log", env,
+                                                       args.timeout),
+                                 enumerate(groups)))
+        failed = [l for _, _, text in runs for l in text.splitlines() if l.startswith("FAIL ")]
+        crashed = [text for rc, _, text in runs if rc not in (0, 3)]
+        print(f"plain run (compiles into the cache): {len(ids)} cases in {jobs} processes, "
+              f"{time.perf_counter() - t0:.0f} s, {len(failed)} failed checks, "
+              f"{len(crashed)} crashed", flush=True)
+        for line in failed:
+            print("  " + line)
+        if crashed:
+            print("  the first crash:\n    " + "\n    ".join(crashed[0].splitlines()[-30:]))
+        ok = not failed and not crashed
+
+    sanitizer = _find_sanitizer()
+    if sanitizer is None:
+        print("sanitize: compute-sanitizer not found (PATH, /usr/local/cuda*/bin; or set "
+              "COMPUTE_SANITIZER)")
+        return 1
+    t0 = time.perf_counter()
+
+    def run_tool(job):
+        tool, what = job
+        script = [sys.executable, str(Path(__file__).resolve()), "--planted", tool] \
+            if what == "planted" else _driver_cmd(args.case)
+        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", *TOOL_ARGS.get(tool, ()),
+               *script]
+        return _run_logged(cmd, log_dir / f"{tool}{'_planted' if what == 'planted' else ''}.log",
+                           env, args.timeout)
+
+    jobs = [(t, w) for t in tools for w in ("cases", "planted")]
+    with ThreadPoolExecutor(max(1, 2 * args.jobs)) as pool:
+        runs = dict(zip(jobs, pool.map(run_tool, jobs)))
+    wall = time.perf_counter() - t0
+    counts = []
+    for tool in tools:
+        rc, sec, text = runs[tool, "cases"]
+        errors = _error_count(text)
+        failed, note = _driver_summary(text)
+        planted_errors = _error_count(runs[tool, "planted"][2])
+        caught = bool(planted_errors)
+        status = "TIMEOUT" if rc is None else f"exit {rc}"
+        print(f"{tool:<10} {'?' if errors is None else errors} errors{_warning_note(text)}, "
+              f"{note}, {sec:.0f} s ({status}); planted error "
+              f"{'reported' if caught else 'NOT REPORTED'} ({planted_errors} errors)", flush=True)
+        if errors != 0 or failed != 0 or rc is None:
+            ok = False
+            for line in _excerpt(text) or text.splitlines()[-30:]:
+                print("    " + line)
+        if not caught:
+            ok = False
+            print("    " + "\n    ".join(runs[tool, "planted"][2].splitlines()[-20:]))
+        counts.append(f"{tool} {'?' if errors is None else errors}")
+    print(f"sanitize: {', '.join(counts)} errors; {'all clean' if ok else 'NOT CLEAN'}; "
+          f"tools {wall:.0f} s wall")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
