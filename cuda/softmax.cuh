@@ -41,7 +41,10 @@ struct OnlineSoftmax {
                 mx = quad_max(mx);
                 // A row that has seen no key yet keeps the base at 0, so exp2 gives 0, not NaN.
                 base[r] = mx == neg_inf() ? 0.f : mx * scale_log2;
-                alpha[r] = fast_exp2(m[r] * scale_log2 - base[r]);
+                // Rounded like base: fused into an FMA, the product's rounding residual made
+                // alpha 2^residual instead of 1 when the max stays, and l drifted by that
+                // factor once per key block (lse off by 2e-3 at 1M keys).
+                alpha[r] = fast_exp2(__fmul_rn(m[r], scale_log2) - base[r]);
                 moved |= mx != m[r];
                 m[r] = mx;
                 l[r] *= alpha[r];
