@@ -255,43 +255,38 @@ def head_dims(max_headdim=MAX_HEADDIM, min_headdim=1):
 
 @st.composite
 def shapes(draw, *, max_seqlen, max_headdim=MAX_HEADDIM, max_batch=2, max_kv_heads=3,
-           max_group=4, max_scores, max_work, min_elements=1):
+           max_group=4, max_scores, max_work, min_rows=1, min_headdim=1):
     """Sizes under a budget: ``batch * nheads * seqlen_q * seqlen_k <= max_scores`` (the
     reference's score matrices) and ``... * headdim <= max_work`` (its matmuls and the NumPy
-    path's loops). The seqlens are drawn first; the head dim, the heads (nheads_k kv heads,
-    ``group`` query heads each: MQA when nheads_k is 1) and the batch take what is left.
+    path's loops). The seqlens are drawn first, then the head dim, then the heads (nheads_k kv
+    heads, ``group`` query heads each: MQA when nheads_k is 1) and the batch.
 
-    ``min_elements``: q and k (so out, dq, dk and dv) hold at least this many elements, i.e.
-    ``batch * nheads_k * min(seqlen_q, seqlen_k) * headdim >= min_elements``. FlashAttention's
-    rule compares the largest error with a naive implementation's largest error, which means
-    something only over enough elements: over a handful, the naive result can be exact by luck
-    (tests/test_fuzz_gpu.py says how many the fp16/bf16 checks need)."""
+    ``min_rows``: at least this many query rows (``batch * nheads * seqlen_q``) and key rows
+    (``batch * nheads_k * seqlen_k``); ``min_headdim``: the smallest head dim. FlashAttention's
+    rule compares the largest error with a naive implementation's largest error, which is
+    meaningful only over enough rows and, for the gradients, a wide enough head dim
+    (tests/test_fuzz_gpu.py gives the numbers its fp16/bf16 checks need)."""
     if max_seqlen ** 2 > max_scores or max_seqlen ** 2 > max_work:
         raise ValueError("shapes: max_seqlen**2 must fit max_scores and max_work")
-    if max_batch * max_kv_heads * max_headdim < min_elements:
-        raise ValueError("shapes: min_elements is out of reach even at seqlen 1")
     sq, sk = draw(seqlen_pairs(max_seqlen))
-    fit, short = sq * sk, min(sq, sk)
-
-    def units_at(d):                                    # batch * nheads at most
-        return min(max_scores // fit, max_work // (fit * d))
-
-    def kv_counts(d):
-        """The (nheads_k, batch) pairs that fit the budget and reach min_elements."""
-        return [(hk, b) for hk in range(1, max_kv_heads + 1) for b in range(1, max_batch + 1)
-                if hk * b <= units_at(d) and hk * b * short * d >= min_elements]
-
-    # The smallest head dim that can still reach min_elements, and the largest the budget takes.
-    d_hi = min(max_headdim, max_work // fit)
-    d_lo = next((d for d in range(1, d_hi + 1) if kv_counts(d)), None)
-    if d_lo is None:
+    fit = sq * sk
+    heads = [(hk, b, g) for hk in range(1, max_kv_heads + 1) for b in range(1, max_batch + 1)
+             for g in range(1, max_group + 1)
+             if b * hk * g * sq >= min_rows and b * hk * sk >= min_rows]
+    # batch * nheads must fit the budget at the drawn head dim; the head dim takes what the
+    # fewest heads that reach min_rows leave.
+    fewest = min((hk * b * g for hk, b, g in heads), default=None)
+    if fewest is None or fewest > max_scores // fit:
         reject()
-    d = draw(head_dims(d_hi, d_lo))
-    counts = kv_counts(d)
-    if not counts:             # only where rounding leaves a gap between d_lo and d_hi
+    d_hi = min(max_headdim, max_work // (fit * fewest))
+    if d_hi < min_headdim:
         reject()
-    nheads_k, batch = draw(st.sampled_from(counts))
-    group = draw(st.integers(1, min(max_group, units_at(d) // (batch * nheads_k))))
+    d = draw(head_dims(d_hi, min_headdim))
+    units = min(max_scores // fit, max_work // (fit * d))          # batch * nheads at most
+    heads = [(hk, b, g) for hk, b, g in heads if hk * b * g <= units]
+    nheads_k = draw(st.sampled_from(sorted({hk for hk, _, _ in heads})))
+    batch = draw(st.sampled_from(sorted({b for hk, b, _ in heads if hk == nheads_k})))
+    group = draw(st.sampled_from([g for hk, b, g in heads if (hk, b) == (nheads_k, batch)]))
     return Shape(batch, sq, sk, nheads_k * group, nheads_k, d)
 
 
