@@ -14,7 +14,8 @@
 # and a summary comes last. The NVRTC cache lives in ./.cupy_cache (git-ignored); carry it to
 # the next machine to skip compiling. The pytest-benchmark suite (pytest benchmarks/) is not
 # run here: it measures the same things, case by case, for pytest-benchmark's JSON.
-# Env: PYTHON (default python3), SUITE_TESTS (pytest arguments, shell-quoted),
+# Env: PYTHON (default python3), SUITE_TESTS (pytest arguments, shell-quoted), GIT_COMMIT
+# (recorded in the JSON; on a lent device machine the copied .git may name an older commit),
 # PREWARM=0 to skip the parallel compile, PREWARM_JOBS (default: CPU count),
 # SKIP_SANITIZE=1 / SKIP_DENSE_BENCH=1 / SKIP_SPARSE_BENCH=1 to skip compute-sanitizer / the
 # comparison / the block-sparse benchmark.
@@ -121,8 +122,10 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     TIMEOUT=(--timeout=600)
 fi
 SECONDS=0
+# junit_family=legacy: the junit XML of pytest's default family drops record_property's
+# values, which the summary below reads.
 "$PY" -m pytest "${TESTS[@]}" -q -rs ${TIMEOUT[@]+"${TIMEOUT[@]}"} -p no:cacheprovider \
-    --junitxml="$LOGS/gpu_tests.xml" 2>&1 | tee "$LOGS/gpu_tests.log"
+    -o junit_family=legacy --junitxml="$LOGS/gpu_tests.xml" 2>&1 | tee "$LOGS/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
 echo "tests took ${SECONDS} s (exit $TEST_RC)"
 
