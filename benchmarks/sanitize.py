@@ -43,38 +43,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests import gpu_checks  # noqa: E402
+
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # memcheck: 256 bytes of padding after every allocation, so that a read past the end of one
 # array is not a valid read of the next one.
 TOOL_ARGS = {"memcheck": ("--padding", "256")}
-HALF = ("bf16", "fp16")
 
 
 @dataclass(frozen=True)
-class Case:
-    dtype: str
-    sq: int
-    sk: int
-    d: int
-    causal: bool
-    batch: int = 1
-    nheads: int = 2
-    nheads_k: int = 2
+class Case(gpu_checks.Case):
     block: tuple = None      # (block_q, block_k) of a BlockMask, None for dense
 
     @property
     def id(self):
-        heads = f"h{self.nheads}" if self.nheads == self.nheads_k else \
-            f"h{self.nheads}k{self.nheads_k}"
-        sparse = f"-bs{self.block[0]}x{self.block[1]}" if self.block else ""
-        return (f"{self.dtype}-b{self.batch}-{heads}-q{self.sq}-k{self.sk}-d{self.d}{sparse}-"
-                f"{'causal' if self.causal else 'full'}")
+        return super().id + (f"-bs{self.block[0]}x{self.block[1]}" if self.block else "")
 
     @property
     def modes(self):
         """Backward variants: atomic dQ and the deterministic dQ pass for the tensor-core
         kernels; the plain kernels have one."""
-        return ("atomic", "deterministic") if self.dtype in HALF else ("plain",)
+        return ("atomic", "deterministic") if self.dtype in gpu_checks.HALF else ("plain",)
 
 
 CASES = (
@@ -153,14 +143,13 @@ def _block_mask(case):
 
 
 def _host_inputs(case):
-    from tests.gpu_checks import DTYPES
     from tests.reference import random_inputs
     import numpy as np
     seed = zlib.crc32(case.id.encode())
     shape_q = (case.batch, case.sq, case.nheads, case.d)
     shape_kv = (case.batch, case.sk, case.nheads_k, case.d)
-    q, k, v = random_inputs(np, shape_q, shape_kv, DTYPES[case.dtype], seed)
-    dout = random_inputs(np, shape_q, shape_q, DTYPES[case.dtype], seed + 3)[0]
+    q, k, v = random_inputs(np, shape_q, shape_kv, gpu_checks.DTYPES[case.dtype], seed)
+    dout = random_inputs(np, shape_q, shape_q, gpu_checks.DTYPES[case.dtype], seed + 3)[0]
     return q, k, v, dout
 
 
@@ -193,7 +182,6 @@ def _assert_close(name, got, ref, rtol, magnitude):
 def _check(case, host, result, block_mask):
     """The results against the float64 reference on the host, by tests/gpu_checks.py's rule."""
     import numpy as np
-    from tests.gpu_checks import BWD_FACTOR, FP64_RTOL, FWD_FACTOR, LSE_RTOL, fp32_rtol
     from tests.reference import (assert_rule, attention_naive, attention_naive_backward,
                                  attention_ref, attention_ref_backward)
     q, k, v, dout = host
@@ -204,15 +192,16 @@ def _check(case, host, result, block_mask):
     refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask)
     magnitude = max(float(np.abs(r).max()) for r in refs)
     names = ("dq", "dk", "dv")
-    if case.dtype in HALF:
+    if case.dtype in gpu_checks.HALF:
         naive_out, _ = attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask)
-        assert_rule("out", out, ref_out, naive_out, FWD_FACTOR)
+        assert_rule("out", out, ref_out, naive_out, gpu_checks.FWD_FACTOR)
         naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype, mask=mask)
         for mode, g in grads.items():
             for name, got, ref, naive in zip(names, g, refs, naives):
-                assert_rule(f"{name} ({mode})", got, ref, naive, BWD_FACTOR, magnitude)
+                assert_rule(f"{name} ({mode})", got, ref, naive, gpu_checks.BWD_FACTOR, magnitude)
     else:
-        rtol = fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else FP64_RTOL
+        rtol = (gpu_checks.fp32_rtol(case.sq, case.sk) if case.dtype == "fp32"
+                else gpu_checks.FP64_RTOL)
         _assert_close("out", out, ref_out, rtol, float(np.abs(ref_out).max()))
         for mode, g in grads.items():
             for name, got, ref in zip(names, g, refs):
@@ -221,8 +210,8 @@ def _check(case, host, result, block_mask):
     seen = np.isfinite(ref_lse)
     assert (np.isneginf(lse) == ~seen).all(), "lse is not -inf exactly on the rows without keys"
     err = np.abs(lse[seen] - ref_lse[seen])
-    assert (err <= LSE_RTOL[case.dtype] * np.maximum(np.abs(ref_lse[seen]), 1.0)).all(), \
-        f"lse: max error {float(err.max(initial=0)):.3e}"
+    bound = gpu_checks.LSE_RTOL[case.dtype] * np.maximum(np.abs(ref_lse[seen]), 1.0)
+    assert (err <= bound).all(), f"lse: max error {float(err.max(initial=0)):.3e}"
 
 
 def planted(tool):
@@ -244,7 +233,6 @@ def driver(ids):
     """Run and check the cases (all, or those named); the exit status is 3 if a check failed."""
     import cupy as cp
     from cupyflash import _launch
-    from tests.gpu_checks import DTYPES
     cp.cuda.set_allocator(None)
     cases = [c for c in CASES if not ids or c.id in ids]
     failed = skipped = 0
@@ -252,7 +240,7 @@ def driver(ids):
         t0 = time.perf_counter()
         block_mask = _block_mask(case) if case.block else None
         try:
-            _launch.check_supported(DTYPES[case.dtype], case.d, block_mask)
+            _launch.check_supported(gpu_checks.DTYPES[case.dtype], case.d, block_mask)
         except (TypeError, ValueError) as e:
             skipped += 1
             print(f"skip {case.id}: {e}", flush=True)
@@ -444,5 +432,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

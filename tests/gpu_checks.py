@@ -5,15 +5,17 @@ the error of a naive same-dtype implementation against the float64 reference; fl
 to their own precision (float32 error rules out TF32). lse is compared with the float64 lse of the
 same (dtype-rounded) inputs.
 
-The checks take a test case with the fields ``dtype`` (a key of ``DTYPES``), ``batch``, ``sq``,
-``sk``, ``nheads``, ``nheads_k``, ``d`` and ``causal``, and an optional element ``mask`` (bool,
-(heads or 1, sq, sk), True where visible) that the reference applies on top of ``causal``.
+The checks take a test case (``Case``, or any object with its fields: ``dtype``, a key of
+``DTYPES``, ``batch``, ``sq``, ``sk``, ``nheads``, ``nheads_k``, ``d`` and ``causal``), and an
+optional element ``mask`` (bool, (heads or 1, sq, sk), True where visible) that the reference
+applies on top of ``causal``.
 
 Importable without CuPy (``cp`` is then None): test_interop.py's host-only tests use the
 tolerances and seeds from here.
 """
 import math
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -49,6 +51,26 @@ def fp32_rtol(sq, sk):
     # Round-off of fp32 sums grows like the square root of the reduction length; 1e-5 of the
     # largest reference value at 1K keys is still ~100x below what TF32 (10-bit mantissa) gives.
     return 1e-5 * max(1.0, math.sqrt(max(sq, sk) / 1024))
+
+
+@dataclass(frozen=True)
+class Case:
+    """A GPU test case: the fields the checks here read, and ``id`` for test ids."""
+    dtype: str
+    sq: int
+    sk: int
+    d: int
+    causal: bool
+    batch: int = 1
+    nheads: int = 2
+    nheads_k: int = 2
+
+    @property
+    def id(self):
+        heads = f"h{self.nheads}" if self.nheads == self.nheads_k else \
+            f"h{self.nheads}k{self.nheads_k}"
+        return (f"{self.dtype}-b{self.batch}-{heads}-q{self.sq}-k{self.sk}-d{self.d}-"
+                f"{'causal' if self.causal else 'full'}")
 
 
 def seed_of(request):

@@ -5,7 +5,6 @@ at most 2x (out) or 3x (dq, dk, dv) the error of a naive same-dtype implementati
 float64 must match the reference to their own precision (float32 error rules out TF32).
 lse is compared with the float64 lse of the same (dtype-rounded) inputs.
 """
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -16,13 +15,13 @@ import cupyflash as cf  # noqa: E402
 from cupyflash import _launch  # noqa: E402
 
 try:
-    from gpu_checks import (DTYPES, HALF, assert_bit_identical_grads,  # noqa: E402
+    from gpu_checks import (DTYPES, HALF, Case, assert_bit_identical_grads,  # noqa: E402
                             assert_rows_without_keys, assert_tight, check_backward,
                             check_forward, has_nan, make_inputs, params, run_and_check,
                             seed_of)
     from reference import attention_ref, attention_ref_backward  # noqa: E402
 except ImportError:
-    from tests.gpu_checks import (DTYPES, HALF, assert_bit_identical_grads,  # noqa: E402
+    from tests.gpu_checks import (DTYPES, HALF, Case, assert_bit_identical_grads,  # noqa: E402
                                   assert_rows_without_keys, assert_tight, check_backward,
                                   check_forward, has_nan, make_inputs, params, run_and_check,
                                   seed_of)
@@ -35,25 +34,6 @@ HEAD_DIMS = (32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256)
 # (seqlen_q, seqlen_k): every length of the issue in both roles, seqlen_q != seqlen_k both ways.
 SEQLEN_PAIRS = ((1, 17), (17, 1), (97, 255), (255, 97), (128, 128), (128, 1023), (1023, 128),
                 (1023, 1025), (1025, 1023), (1, 2048), (2048, 17), (2048, 2048))
-
-@dataclass(frozen=True)
-class Case:
-    dtype: str
-    sq: int
-    sk: int
-    d: int
-    causal: bool
-    batch: int = 1
-    nheads: int = 2
-    nheads_k: int = 2
-
-    @property
-    def id(self):
-        heads = f"h{self.nheads}" if self.nheads == self.nheads_k else \
-            f"h{self.nheads}k{self.nheads_k}"
-        return (f"{self.dtype}-b{self.batch}-{heads}-q{self.sq}-k{self.sk}-d{self.d}-"
-                f"{'causal' if self.causal else 'full'}")
-
 
 def _main_cases():
     cases = []

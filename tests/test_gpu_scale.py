@@ -29,12 +29,12 @@ import cupyflash as cf  # noqa: E402
 from cupyflash import _launch  # noqa: E402
 
 try:
-    from gpu_checks import (BWD_FACTOR, DTYPES, FWD_FACTOR, assert_lse,  # noqa: E402
+    from gpu_checks import (BWD_FACTOR, DTYPES, FWD_FACTOR, Case, assert_lse,  # noqa: E402
                             check_backward, check_forward)
     from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
                            attention_ref, attention_ref_backward, round_to)
 except ImportError:
-    from tests.gpu_checks import (BWD_FACTOR, DTYPES, FWD_FACTOR, assert_lse,  # noqa: E402
+    from tests.gpu_checks import (BWD_FACTOR, DTYPES, FWD_FACTOR, Case, assert_lse,  # noqa: E402
                                   check_backward, check_forward)
     from tests.reference import (assert_rule, attention_naive,  # noqa: E402
                                  attention_naive_backward, attention_ref, attention_ref_backward,
@@ -51,19 +51,6 @@ CHUNK = 2**26                    # elements per step of the input generation
 LARGE_ALLOCATION = 256 * 2**20   # allocations listed with where they came from
 SOURCE_DIRS = tuple(str(Path(__file__).resolve().parent.parent / d)
                     for d in ("cupyflash", "tests"))
-
-
-@dataclass(frozen=True)
-class Case:
-    """The fields tests/gpu_checks.py's checks read."""
-    dtype: str
-    sq: int
-    sk: int
-    d: int
-    causal: bool
-    batch: int = 1
-    nheads: int = 1
-    nheads_k: int = 1
 
 
 def _nbytes(shape, dtype):

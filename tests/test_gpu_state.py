@@ -33,9 +33,9 @@ cp = pytest.importorskip("cupy")
 import cupyflash as cf  # noqa: E402
 
 try:
-    from gpu_checks import check_backward, check_forward, make_inputs  # noqa: E402
+    from gpu_checks import Case, check_backward, check_forward, make_inputs  # noqa: E402
 except ImportError:
-    from tests.gpu_checks import check_backward, check_forward, make_inputs  # noqa: E402
+    from tests.gpu_checks import Case, check_backward, check_forward, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -46,15 +46,7 @@ NOBODY = 65534
 
 
 @dataclass(frozen=True)
-class Config:
-    dtype: str
-    sq: int
-    sk: int
-    d: int
-    causal: bool
-    batch: int = 1
-    nheads: int = 2
-    nheads_k: int = 2
+class Config(Case):
     deterministic: bool = True
 
 
