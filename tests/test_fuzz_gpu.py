@@ -42,19 +42,18 @@ implementation's error in dq. So the fp16/bf16 families draw at least HALF_*_MIN
 and key rows, and head dims from HALF_BWD_MIN_HEADDIM where gradients are checked (numbers
 below); the forward-only family and fp32/fp64 draw head dims down to 1.
 
-Reproducing a failure. Examples are derandomized: every run draws the same cases, so a
-failure comes back on re-running the test. The report prints the falsifying ``Case(...)``,
-whose ``seed`` fixes the inputs (and ``mask.seed`` the mask), and a ``@reproduce_failure``
-line. To re-run one case alone, from the repository root::
+Reproducing a failure. Each run draws its examples from a fresh seed, printed in the summary
+line: ``CUPYFLASH_FUZZ_SEED=N`` draws the same examples again. The report prints the
+falsifying ``Case(...)``, whose ``seed`` fixes the inputs (and ``mask.seed`` the mask), and a
+``@reproduce_failure`` line. To re-run one case alone, from the repository root::
 
     PYTHONPATH=.:tests python3 -c "from strategies import *; import test_fuzz_gpu as t; \
 t.check_case(Case(...))"
 
-(``t.check_forward_case`` for a failure of ``fwd_half``). To draw other examples than the
-fixed ones, set ``CUPYFLASH_FUZZ_SEED=N``: the run then uses seed N (printed in the summary
-line), and the same N draws the same cases again.
+(``t.check_forward_case`` for a failure of ``fwd_half``).
 """
 import os
+import random
 
 import pytest
 
@@ -84,8 +83,10 @@ SHARES = {"fwd_half": 10, "bwd_atomic": 9, "bwd_deterministic": 6, "sparse": 9, 
 TOTAL_EXAMPLES = int(os.environ.get("CUPYFLASH_FUZZ_EXAMPLES", "2000"))
 EXAMPLES = {family: max(1, -(-TOTAL_EXAMPLES * share // sum(SHARES.values())))
             for family, share in SHARES.items()}
+# A fresh seed per run, so that every run tries other cases; the summary line prints it and
+# CUPYFLASH_FUZZ_SEED=N draws the same examples again.
 _seed_text = os.environ.get("CUPYFLASH_FUZZ_SEED", "").strip()
-FUZZ_SEED = int(_seed_text) if _seed_text else None
+FUZZ_SEED = int(_seed_text) if _seed_text else random.SystemRandom().randrange(2**32)
 
 # Up to 8M scores per call (the float64 reference holds a few (batch, nheads, seqlen_q,
 # seqlen_k) arrays of them) and 2**30 multiply-adds per matmul; up to 96 (batch x heads), so
@@ -108,18 +109,15 @@ COUNTS = ExampleCounts("fuzz examples run per family (GPU)")
 
 @pytest.fixture(autouse=True, scope="module")
 def _report_counts(request):
-    how = (f"seed {FUZZ_SEED} (CUPYFLASH_FUZZ_SEED)" if FUZZ_SEED is not None
-           else "derandomized (the same examples every run)")
-    COUNTS.register(request.config, note=how)
+    COUNTS.register(request.config, note=f"seed {FUZZ_SEED} (CUPYFLASH_FUZZ_SEED={FUZZ_SEED} "
+                                         f"draws these examples again)")
 
 
 def fuzz(family):
-    """The family's settings: its number of examples; derandomized, or seeded by
-    CUPYFLASH_FUZZ_SEED."""
+    """The family's settings: its number of examples, drawn from FUZZ_SEED."""
     def wrap(test):
-        test = settings(FUZZ_PROFILE, max_examples=EXAMPLES[family],
-                        derandomize=FUZZ_SEED is None)(test)
-        return test if FUZZ_SEED is None else seed(FUZZ_SEED)(test)
+        test = settings(FUZZ_PROFILE, max_examples=EXAMPLES[family], derandomize=False)(test)
+        return seed(FUZZ_SEED)(test)
     return wrap
 
 
