@@ -15,6 +15,8 @@ import numpy as np
 LOG2E = math.log2(math.e)
 # Positions are 32-bit in the kernels: sums such as seqlen_k + row + tile stay below this.
 SEQLEN_SUM_LIMIT = 2**31 - 256
+# CUDA's limit on gridDim.y and gridDim.z (heads and batch of the dense grids).
+MAX_GRID_YZ = 65535
 
 
 def cdiv(a, b):

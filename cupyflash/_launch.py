@@ -34,7 +34,6 @@ BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq
 # up to 7%; on the H100 it beat 1, 2 and 4 waves and one group of all pairs (which lost up to
 # 9% at seqlen 1K-2K: each head's K and V were read from memory once per tile).
 LAUNCH_GROUP_WAVES = 8
-MAX_GRID_YZ = 65535   # CUDA's limit on gridDim.y and gridDim.z
 
 # Threads of bwd_convert_dq_kernel (up to its launch bound, 256: its loops stride by blockDim).
 DQ_CONVERT_THREADS = 256
@@ -121,7 +120,7 @@ def _tile_grid(p, tiles, heads, batch, causal):
         return (tiles, heads, batch)
     pairs = heads * batch
     group = _launch_group(pairs, tiles)
-    if max(tiles, _config.cdiv(pairs, group)) > MAX_GRID_YZ:
+    if max(tiles, _config.cdiv(pairs, group)) > _config.MAX_GRID_YZ:
         return (tiles, heads, batch)
     p["launch_group"] = group
     return (group, tiles, _config.cdiv(pairs, group))

@@ -10,14 +10,12 @@ import numbers
 
 import numpy as np
 
-from ._config import LOG2E, SEQLEN_SUM_LIMIT
+from ._config import LOG2E, MAX_GRID_YZ, SEQLEN_SUM_LIMIT
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # Dims, seqlens and strides go to the kernels as int32 fields of the params struct.
 INT32_LIMIT = 2**31
-# gridDim.y and gridDim.z (heads and batch on the GPU) are at most 65535.
-GRID_YZ_LIMIT = 65535
 
 # (dimension name, axis) of a (batch, seqlen, heads, headdim) tensor, per argument.
 _AXES_Q = (("batch", 0), ("seqlen_q", 1), ("nheads", 2), ("headdim", 3))
@@ -126,8 +124,8 @@ def _check_sizes(q, k, v):
     if _is_cupy(q):
         for name, a, dim, axis in (("q", q, "nheads", 2), ("k", k, "nheads_k", 2),
                                    ("q", q, "batch", 0)):
-            if a.shape[axis] > GRID_YZ_LIMIT:
-                raise ValueError(f"{name}: {dim} must be <= {GRID_YZ_LIMIT} on the GPU "
+            if a.shape[axis] > MAX_GRID_YZ:
+                raise ValueError(f"{name}: {dim} must be <= {MAX_GRID_YZ} on the GPU "
                                  f"(CUDA grid limit), got {a.shape[axis]}")
 
 

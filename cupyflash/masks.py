@@ -37,6 +37,8 @@ __all__ = ["BlockMask", "TileLists", "causal", "sliding_window", "strided", "lon
            "bigbird", "random"]
 
 TILE_MIN, TILE_MAX = 16, 128
+# Device copies of the visiting lists kept per mask (see BlockMask.tile_lists).
+DEVICE_LISTS_KEPT = 16
 
 TileLists = collections.namedtuple(
     "TileLists", ["kv_idx", "kv_count", "kv_partial", "q_idx", "q_count", "q_partial"])
@@ -216,7 +218,8 @@ class BlockMask:
         lists = self._lists(block_q, block_k, self.causal)
         (self.kv_indices, self.kv_counts, self.kv_partial,
          self.q_indices, self.q_counts, self.q_partial) = (_read_only(a) for a in lists)
-        self._tile_cache = {(block_q, block_k, self.causal, "numpy", None): lists}
+        self._tile_cache = {(block_q, block_k, self.causal): lists}      # host lists
+        self._device_lists = collections.OrderedDict()
 
     @classmethod
     def from_dense(cls, block_mask_bool, block_size=128, *, seqlen_q, seqlen_k, causal=False):
@@ -356,7 +359,10 @@ class BlockMask:
         + seqlen_k - seqlen_q)`` if causal else ``seqlen_k`` (some element of it needs
         masking). Cached per (tile_q, tile_k, causal, xp, device, stream): device lists are
         copied and allocated on the stream of the calls that read them, so CuPy's pool can
-        neither hand their memory out nor reuse it before those calls are done.
+        neither hand their memory out nor reuse it before those calls are done. The
+        ``DEVICE_LISTS_KEPT`` most recently used device copies are kept (a caller that cycles
+        through new streams would otherwise grow the cache without end); dropping one is safe
+        for the same reason: its memory goes back to the pool on its own stream.
         """
         for name, t, block in (("tile_q", tile_q, self.block_q), ("tile_k", tile_k,
                                                                    self.block_k)):
@@ -365,19 +371,19 @@ class BlockMask:
                 raise ValueError(f"{name} ({t}) must divide the mask's block size ({block})")
         tile_q, tile_k = int(tile_q), int(tile_k)
         causal = check_flag("causal", causal) or self.causal
-        xp_name = xp.__name__.split(".")[0]
-        where = (xp.cuda.Device().id, xp.cuda.get_current_stream().ptr) if xp_name == "cupy" \
-            else None
-        key = (tile_q, tile_k, causal, xp_name, where)
-        lists = self._tile_cache.get(key)
+        host_key = (tile_q, tile_k, causal)
+        host = self._tile_cache.get(host_key)
+        if host is None:
+            host = self._tile_cache[host_key] = self._lists(tile_q, tile_k, causal)
+        if xp.__name__.split(".")[0] == "numpy":
+            return host
+        key = (tile_q, tile_k, causal, xp.cuda.Device().id, xp.cuda.get_current_stream().ptr)
+        lists = self._device_lists.pop(key, None)
         if lists is None:
-            host_key = (tile_q, tile_k, causal, "numpy", None)
-            host = self._tile_cache.get(host_key)
-            if host is None:
-                host = self._tile_cache[host_key] = self._lists(tile_q, tile_k, causal)
-            lists = host if xp_name == "numpy" else TileLists(
-                *(xp.ascontiguousarray(xp.asarray(a)) for a in host))
-            self._tile_cache[key] = lists
+            lists = TileLists(*(xp.ascontiguousarray(xp.asarray(a)) for a in host))
+            if len(self._device_lists) >= DEVICE_LISTS_KEPT:
+                self._device_lists.popitem(last=False)
+        self._device_lists[key] = lists          # most recently used last
         return lists
 
 

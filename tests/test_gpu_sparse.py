@@ -323,3 +323,21 @@ def test_mask_of_all_blocks_equals_dense(case, request):
         # result was held to the rule above; here both must agree on the rows without keys.
         assert bool((cp.isneginf(lse) == cp.isneginf(dense_lse)).all()), \
             "lse is -inf on other rows than the dense kernel's"
+
+
+def test_calls_from_ever_new_streams_keep_a_bounded_list_cache():
+    """Each stream gets its own device copy of a mask's lists; a caller that moves through
+    new streams must not grow that cache without end, and every call stays right (the forward
+    is bit-reproducible, so each must equal the first)."""
+    mask = masks.random(300, 400, RANDOM_DENSITY, seed=5, block_size=64)
+    rng = np.random.default_rng(6)
+    q, k, v = (cp.asarray(rng.standard_normal(s).astype(np.float16))
+               for s in ((1, 300, 2, 64), (1, 400, 2, 64), (1, 400, 2, 64)))
+    first = cf.flash_attention(q, k, v, block_mask=mask)
+    for _ in range(masks.DEVICE_LISTS_KEPT + 8):
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            out = cf.flash_attention(q, k, v, block_mask=mask)
+        stream.synchronize()
+        assert bool((out.view(cp.uint16) == first.view(cp.uint16)).all())
+        assert len(mask._device_lists) <= masks.DEVICE_LISTS_KEPT
