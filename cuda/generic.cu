@@ -18,7 +18,7 @@
 // block stages only the chunks of the tiles listed for its row tile (Chunks below); without one,
 // every chunk that some row of the block may see. The element masks (causal, sequence ends) are
 // the same either way.
-#include "params.cuh"
+#include "common.cuh"
 #include "mask.cuh"
 
 namespace generic_impl {
@@ -36,7 +36,7 @@ struct Prec;
 
 template <>
 struct Prec<float> {
-    static constexpr float kLog2e = 1.4426950408889634f;
+    static constexpr float kLog2e = LOG2E;
     static constexpr float kLn2 = 0.6931471805599453f;
     static __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
     static __device__ __forceinline__ float score_scale(double, float scale_log2) {
