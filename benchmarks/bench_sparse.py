@@ -3,13 +3,13 @@
     python benchmarks/bench_sparse.py --out DIR [--quick] [--no-flex]
 
 bf16, head dim 128, batch 1, 16 heads, seqlen 8192 and 32768 (--quick: 8192 only). Patterns
-(cupyflash/_bench.py), all with 128 x 128 blocks:
+(cupyflash/bench.py), all with 128 x 128 blocks:
   random          masks.random(density=0.10, seed=0, nheads=16): one layout per head
   sliding_window  masks.sliding_window(window=1024) with causal=True at call time: each query
                   sees the keys of the blocks that meet the 1024 keys ending at itself
   causal          masks.causal(...) as a block mask (no causal flag at call time)
-Each is timed forward (with lse) and backward like every benchmark here (_bench: median of
-per-call CUDA-event times after warm-up, rotating inputs) and divided by the same
+Each is timed forward (with lse) and backward like every benchmark here (cupyflash.bench:
+median of per-call CUDA-event times after warm-up, rotating inputs) and divided by the same
 implementation's dense time (no mask, not causal) at the same shape: with block skipping
 working, the ratio follows the density (the fraction of visible elements, the call's causal
 included). TFLOP/s count the visible elements only.
@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cupyflash import _bench  # noqa: E402
+from cupyflash import bench  # noqa: E402
+from cupyflash._gpu import gpu_or_reason  # noqa: E402
 
 SEQLENS = (8192, 32768)
 QUICK_SEQLENS = (8192,)
-PATTERNS = ("dense",) + _bench.SPARSE_PATTERNS
+PATTERNS = ("dense",) + bench.SPARSE_PATTERNS
 
 
 def reps_for(seqlen, reps):
@@ -54,19 +55,19 @@ def table(rows):
     header = ["pattern", "seqlen", "density", "impl", "fwd ms", "fwd/dense", "fwd TFLOP/s",
               "bwd ms", "bwd/dense", "bwd TFLOP/s", "note"]
     lines = []
-    for (key, impl), by_pass in _bench.pivot(rows, ("fwd", "bwd")).items():
+    for (key, impl), by_pass in bench.pivot(rows, ("fwd", "bwd")).items():
         first = next(iter(by_pass.values()))
-        cells = [first["pattern"], first["seqlen"], _bench.fmt(first["density"], ".4f"), impl]
+        cells = [first["pattern"], first["seqlen"], bench.fmt(first["density"], ".4f"), impl]
         notes = []
         for p in ("fwd", "bwd"):
             r = by_pass.get(p, {})
-            cells += [_bench.fmt(r.get("ms"), ".3f"), _bench.fmt(r.get("vs_dense"), ".3f"),
-                      _bench.fmt(r.get("tflops"), ".1f")]
-            status = _bench.row_status(r) if r else ""
+            cells += [bench.fmt(r.get("ms"), ".3f"), bench.fmt(r.get("vs_dense"), ".3f"),
+                      bench.fmt(r.get("tflops"), ".1f")]
+            status = bench.row_status(r) if r else ""
             if status and status not in notes:
                 notes.append(status)
         lines.append(cells + ["; ".join(notes)[:100]])
-    return _bench.table_text(header, lines)
+    return bench.table_text(header, lines)
 
 
 def main():
@@ -78,34 +79,34 @@ def main():
                     help="run FlexAttention only up to this seqlen (each shape compiles anew)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    cp, why = _bench.gpu_or_reason()
+    cp, why = gpu_or_reason()
     if cp is None:
         print(f"bench_sparse needs a CUDA GPU; none is usable ({why})", file=sys.stderr)
         return 1
     log = functools.partial(print, flush=True)
-    log(f"{_bench.gpu_name()}: bf16, d={_bench.SPARSE_HEADDIM}, batch={_bench.SPARSE_BATCH}, "
-        f"nheads={_bench.SPARSE_NHEADS}, block {_bench.SPARSE_BLOCK}")
+    log(f"{bench.gpu_name()}: bf16, d={bench.SPARSE_HEADDIM}, batch={bench.SPARSE_BATCH}, "
+        f"nheads={bench.SPARSE_NHEADS}, block {bench.SPARSE_BLOCK}")
 
     rows = []
     t0 = time.perf_counter()
     for seqlen in (QUICK_SEQLENS if args.quick else SEQLENS):
         reps, warmup = reps_for(seqlen, args.reps)
         use_flex = not args.no_flex and seqlen <= args.flex_max_seqlen
-        impls = _bench.SPARSE_IMPLS if use_flex else ("cupyflash",)
+        impls = bench.SPARSE_IMPLS if use_flex else ("cupyflash",)
         for pattern in PATTERNS:
-            rows += _bench.compare(_bench.Case.sparse(pattern, seqlen), impls, ("fwd", "bwd"),
+            rows += bench.compare(bench.Case.sparse(pattern, seqlen), impls, ("fwd", "bwd"),
                                    reps, warmup, log=log)
     wall = time.perf_counter() - t0
     add_dense_ratios(rows)
 
-    doc = _bench.report(
+    doc = bench.report(
         "block-sparse attention, forward (with lse) and backward, vs dense", rows,
-        batch=_bench.SPARSE_BATCH, nheads=_bench.SPARSE_NHEADS, headdim=_bench.SPARSE_HEADDIM,
-        block=_bench.SPARSE_BLOCK, random_density=_bench.RANDOM_DENSITY, window=_bench.WINDOW,
+        batch=bench.SPARSE_BATCH, nheads=bench.SPARSE_NHEADS, headdim=bench.SPARSE_HEADDIM,
+        block=bench.SPARSE_BLOCK, random_density=bench.RANDOM_DENSITY, window=bench.WINDOW,
         vs_dense="time / the same implementation's dense (no mask, not causal) time at the "
                  "same shape",
         density="fraction of visible elements, call causal included", wall_s=round(wall, 1))
-    path = _bench.write_json(Path(args.out) / "bench_sparse.json", doc)
+    path = bench.write_json(Path(args.out) / "bench_sparse.json", doc)
     log(f"\nwrote {path} ({wall:.0f} s)")
     log("=== bench_sparse table ===")
     log(table(rows))

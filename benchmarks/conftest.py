@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # this checkout's cupyflash
-from cupyflash import _bench  # noqa: E402
+from cupyflash import bench  # noqa: E402
+from cupyflash._gpu import gpu_or_reason  # noqa: E402
 
 _ROWS = []
 
@@ -37,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = [i for i in items if not i.get_closest_marker("bench_full")]
-    _, why = _bench.gpu_or_reason()
+    _, why = gpu_or_reason()
     if why is not None:
         skip = pytest.mark.skip(reason=f"needs a CUDA GPU: {why}")
         for item in items:
@@ -55,10 +56,10 @@ def bench_settings(request):
 def bench_rows():
     """The session's result rows, printed as tables at the end."""
     yield _ROWS
-    _bench.release_memory()
+    bench.release_memory()
 
 
 def pytest_terminal_summary(terminalreporter):
     if _ROWS:
         terminalreporter.section("cupyflash: TFLOP/s against the peers")
-        terminalreporter.write_line(_bench.format_report(_ROWS))
+        terminalreporter.write_line(bench.format_report(_ROWS))

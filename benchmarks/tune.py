@@ -3,14 +3,14 @@
     python benchmarks/tune.py --out DIR [--headdims 64 128] [--seqlen 8192] [--passes fwd bwd]
 
 For each head dim and pass, every candidate tile replaces the table's entry in turn
-(cupyflash._config), and ours is timed with cupyflash._bench (bf16, 2048/headdim heads,
+(cupyflash._config), and ours is timed with cupyflash.bench (bf16, 2048/headdim heads,
 batch x seqlen = 16K tokens, causal and not). Writes DIR/tune.json and prints a table; the
 notes in benchmarks/NOTES.md say what was kept.
 """
 import argparse
 from pathlib import Path
 
-from cupyflash import _bench, _config
+from cupyflash import _config, bench
 
 B, F = _config.BwdTile, _config.FwdTile
 CANDIDATES = {
@@ -45,17 +45,17 @@ def main():
         for t in tiles:
             table[hd] = [t]
             for causal in (False, True):
-                case = _bench.Case.dense(args.seqlen, hd, causal)
-                sets = _bench.input_sets(case)
+                case = bench.Case.dense(args.seqlen, hd, causal)
+                sets = bench.input_sets(case)
                 try:
-                    row = _bench.measure(_bench.Ours(case, sets), pass_, args.reps, memory=False)
+                    row = bench.measure(bench.Ours(case, sets), pass_, args.reps, memory=False)
                 except Exception as e:   # a tile that fails to compile or launch
-                    row = _bench.failed_row(case, "cupyflash", pass_, e)
+                    row = bench.failed_row(case, "cupyflash", pass_, e)
                 row["tile"] = repr(t)
                 rows.append(row)
-                print(_bench.progress_line(row), row["tile"], flush=True)
+                print(bench.progress_line(row), row["tile"], flush=True)
         table[hd] = kept
-    _bench.write_json(Path(args.out) / "tune.json", _bench.report("tile sweep", rows))
+    bench.write_json(Path(args.out) / "tune.json", bench.report("tile sweep", rows))
     print("\n=== tune table ===")
     for r in rows:
         val = f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s" if "ms" in r else r.get("error", "")[:80]

@@ -4,7 +4,7 @@
                                   [--waves 2 8] [--causal-only]
 
 Each NAME=DIR replaces the directory the kernels are compiled from (cupyflash._compile) and
-times ours (bf16, 2048/headdim heads, 16K tokens, causal and not) with cupyflash._bench;
+times ours (bf16, 2048/headdim heads, 16K tokens, causal and not) with cupyflash.bench;
 ``--flash`` adds SDPA flash on the same cases. Every variant's kernels are compiled first in
 parallel processes into CuPy's disk cache; the variants are then timed in turn, twice, so
 that drift of the GPU shows as a difference between the two rounds. ``--waves`` times each tree
@@ -16,7 +16,7 @@ import multiprocessing as mp
 import os
 from pathlib import Path
 
-from cupyflash import _bench, _compile, _config, _launch
+from cupyflash import _compile, _config, _launch, bench
 
 PASSES = ("fwd", "bwd")
 
@@ -35,7 +35,7 @@ def compile_one(item):
         _compile.get_kernel(filename, name)
         return None
     except Exception as e:
-        return f"{tree} {name}: {_bench.error_text(e)[:2000]}"
+        return f"{tree} {name}: {bench.error_text(e)[:2000]}"
 
 
 def needed(headdims):
@@ -82,22 +82,22 @@ def main():
             label = f"{name}/w{waves}" if len(args.waves) > 1 else name
             for hd in args.headdims:
                 for causal in (True,) if args.causal_only else (False, True):
-                    case = _bench.Case.dense(args.seqlen, hd, causal)
-                    sets = _bench.input_sets(case)
-                    runners = [_bench.Ours(case, sets)]
+                    case = bench.Case.dense(args.seqlen, hd, causal)
+                    sets = bench.input_sets(case)
+                    runners = [bench.Ours(case, sets)]
                     if args.flash and rnd == 0 and k == 0:   # the peer once, beside the first run
-                        runners.append(_bench.make_runner("sdpa_flash", case, sets))
+                        runners.append(bench.make_runner("sdpa_flash", case, sets))
                     for runner in runners:
                         for pass_ in args.passes:
                             try:
-                                row = _bench.measure(runner, pass_, args.reps, memory=False)
+                                row = bench.measure(runner, pass_, args.reps, memory=False)
                             except Exception as e:
-                                row = _bench.failed_row(case, runner.impl, pass_, e)
+                                row = bench.failed_row(case, runner.impl, pass_, e)
                             row["variant"] = label if runner.impl == "cupyflash" else runner.impl
                             row["round"] = rnd
                             rows.append(row)
-                            print(_bench.progress_line(row), row["variant"], rnd, flush=True)
-    _bench.write_json(Path(args.out) / "variants.json", _bench.report("variants", rows, trees=trees))
+                            print(bench.progress_line(row), row["variant"], rnd, flush=True)
+    bench.write_json(Path(args.out) / "variants.json", bench.report("variants", rows, trees=trees))
     print("\n=== variants table ===")
     for r in rows:
         val = f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s" if "ms" in r else r.get("error", "")[:80]

@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from . import _bench
+from . import bench as _bench
+from ._gpu import gpu_or_reason
 from ._config import MAX_HEADDIM
 from ._validate import DTYPES
 from .api import flash_attention, flash_attention_backward
@@ -98,7 +99,7 @@ def _demo_row(xp, device, dtype, shape, causal, repeats):
 
 
 def demo(args):
-    cp, why = (None, "--cpu given") if args.cpu else _bench.gpu_or_reason()
+    cp, why = (None, "--cpu given") if args.cpu else gpu_or_reason()
     if cp is not None:
         dev = cp.cuda.Device()
         name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
@@ -134,7 +135,7 @@ def demo(args):
 # --- warmup -----------------------------------------------------------------------------
 
 def warmup(args):
-    cp, why = _bench.gpu_or_reason()
+    cp, why = gpu_or_reason()
     if cp is None:
         print(f"warmup needs a CUDA GPU: {why}", file=sys.stderr)
         return 1
@@ -171,7 +172,7 @@ NAIVE_MAX_SEQLEN = 8192          # beyond, naive's seqlen^2 matrices crowd an 80
 
 
 def bench(args):
-    cp, why = _bench.gpu_or_reason()
+    cp, why = gpu_or_reason()
     if cp is None:
         print(f"bench needs a CUDA GPU: {why}", file=sys.stderr)
         return 1

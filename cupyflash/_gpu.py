@@ -40,3 +40,13 @@ def no_gpu_reason(runtime):
                 f"no GPU{hidden}")
     return f"CUDA cannot use the GPU ({error})"
 
+
+
+def gpu_or_reason():
+    """(cupy, None) when CuPy sees a CUDA GPU, else (None, why not, in plain words)."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken CuPy install
+        return None, f"CuPy is not importable ({type(e).__name__}: {e})"
+    why = no_gpu_reason(cupy.cuda.runtime)
+    return (cupy, None) if why is None else (None, why)

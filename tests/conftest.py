@@ -3,7 +3,7 @@ import functools
 
 import pytest
 
-from cupyflash._bench import gpu_or_reason
+from cupyflash._gpu import gpu_or_reason
 
 
 @functools.lru_cache(maxsize=None)

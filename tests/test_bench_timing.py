@@ -2,7 +2,7 @@
 call's queueing, or the GPU idles inside the timed window."""
 import time
 
-from cupyflash import _bench
+from cupyflash.bench.timing import MIN_SPIN_MS, PROBE_SPIN_MS, Timing
 
 
 class FakeEvent:
@@ -36,7 +36,7 @@ def sleeper(ms):
 
 def test_spin_covers_the_slowest_input_set():
     clock = FakeClock()
-    timing = _bench.Timing(clock, [sleeper(0.5), sleeper(4.0), sleeper(1.0)])
+    timing = Timing(clock, [sleeper(0.5), sleeper(4.0), sleeper(1.0)])
     timing.warm_up(2)
     assert timing.spin_ms >= 3 * 4.0
     timing.run(3)
@@ -44,12 +44,12 @@ def test_spin_covers_the_slowest_input_set():
 
 
 def test_fast_calls_get_the_minimum_spin():
-    timing = _bench.Timing(FakeClock(), [lambda: None])
+    timing = Timing(FakeClock(), [lambda: None])
     timing.warm_up(1)
-    assert timing.spin_ms == _bench.MIN_SPIN_MS
+    assert timing.spin_ms == MIN_SPIN_MS
 
 
 def test_calls_that_block_get_no_spin():
-    timing = _bench.Timing(FakeClock(), [sleeper(_bench.PROBE_SPIN_MS)])
+    timing = Timing(FakeClock(), [sleeper(PROBE_SPIN_MS)])
     timing.warm_up(1)
     assert timing.spin_ms == 0.0
