@@ -5,7 +5,7 @@ imports it.
 - ``cases``: what is measured (shapes, dtypes, mask patterns), FLOPs, inputs;
 - ``timing``: CUDA-event clocks behind a spin kernel, peak memory, the timed loop;
 - ``peers``: the implementations compared (runners) and the measuring of one case;
-- ``report``: JSON of a run, the tables, the figure, the targets they are checked against.
+- ``reports``: JSON of a run, the tables, the figure, the targets they are checked against.
 
 The names below are the ones the command line and the scripts use.
 """
@@ -14,7 +14,7 @@ from .cases import (DENSE_IMPLS, HEAD_WIDTH, PASSES, RANDOM_DENSITY, SPARSE_BATC
                     Case, attention_flops, error_text, input_sets, np_dtype, tflops)
 from .peers import (Ours, Unavailable, compare, failed_row, make_runner, measure,
                     result_row)
-from .report import (add_ratios, fmt, format_report, gpu_name, pivot, plot, progress_line,
+from .reports import (add_ratios, fmt, format_report, gpu_name, pivot, plot, progress_line,
                      pyplot, report, row_status, table_text, write_json)
 from .timing import CupyClock, Timing, release_memory, time_calls
 

@@ -19,7 +19,7 @@ except Exception:  # ImportError, or a broken CuPy install: _gpu.gpu_or_reason s
     cp = None
 
 from .cases import SPARSE_BLOCK, error_text, input_sets, np_dtype, pattern_mask, tflops
-from .report import progress_line
+from .reports import progress_line
 from .timing import CupyClock, Timing, TorchClock, release_memory
 
 # A peer whose output differs from ours by more than this fraction of max|out| ran another

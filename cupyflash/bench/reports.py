@@ -45,7 +45,7 @@ def gpu_name():
 
 
 def versions():
-    from . import __version__
+    from .. import __version__
     rt = cp.cuda.runtime.runtimeGetVersion()
     found = {"python": platform.python_version(), "numpy": np.__version__,
              "cupy": cp.__version__, "cuda_runtime": f"{rt // 1000}.{rt % 1000 // 10}",
