@@ -41,7 +41,6 @@ def no_gpu_reason(runtime):
     return f"CUDA cannot use the GPU ({error})"
 
 
-
 def gpu_or_reason():
     """(cupy, None) when CuPy sees a CUDA GPU, else (None, why not, in plain words)."""
     try:

@@ -218,7 +218,7 @@ class BlockMask:
         lists = self._lists(block_q, block_k, self.causal)
         (self.kv_indices, self.kv_counts, self.kv_partial,
          self.q_indices, self.q_counts, self.q_partial) = (_read_only(a) for a in lists)
-        self._tile_cache = {(block_q, block_k, self.causal): lists}      # host lists
+        self._host_lists = {(block_q, block_k, self.causal): lists}
         self._device_lists = collections.OrderedDict()
 
     @classmethod
@@ -372,9 +372,9 @@ class BlockMask:
         tile_q, tile_k = int(tile_q), int(tile_k)
         causal = check_flag("causal", causal) or self.causal
         host_key = (tile_q, tile_k, causal)
-        host = self._tile_cache.get(host_key)
+        host = self._host_lists.get(host_key)
         if host is None:
-            host = self._tile_cache[host_key] = self._lists(tile_q, tile_k, causal)
+            host = self._host_lists[host_key] = self._lists(tile_q, tile_k, causal)
         if xp.__name__.split(".")[0] == "numpy":
             return host
         key = (tile_q, tile_k, causal, xp.cuda.Device().id, xp.cuda.get_current_stream().ptr)

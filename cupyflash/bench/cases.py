@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import masks
 
+# The package's one import of CuPy: the other modules take cp from here.
 try:
     import cupy as cp
 except Exception:  # ImportError, or a broken CuPy install: _gpu.gpu_or_reason says why

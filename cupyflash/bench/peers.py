@@ -13,12 +13,7 @@ import numpy as np
 
 from .. import api
 
-try:
-    import cupy as cp
-except Exception:  # ImportError, or a broken CuPy install: _gpu.gpu_or_reason says why
-    cp = None
-
-from .cases import SPARSE_BLOCK, error_text, input_sets, np_dtype, pattern_mask, tflops
+from .cases import SPARSE_BLOCK, cp, error_text, input_sets, np_dtype, pattern_mask, tflops
 from .reports import progress_line
 from .timing import CupyClock, Timing, TorchClock, release_memory
 

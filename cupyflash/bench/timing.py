@@ -13,10 +13,7 @@ import time
 
 import numpy as np
 
-try:
-    import cupy as cp
-except Exception:  # ImportError, or a broken CuPy install: _gpu.gpu_or_reason says why
-    cp = None
+from .cases import cp
 
 SPIN_CYCLES_PER_MS = 2.2e6   # above any current GPU's SM clock: a spin lasts at least its ms
 PROBE_SPIN_MS = 20.0         # GPU kept busy while the queueing time of one call is measured
