@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from . import bench as _bench
+from . import _spec, bench as _bench
 from ._gpu import gpu_or_reason
 from ._config import MAX_HEADDIM
 from ._validate import DTYPES
@@ -29,14 +29,14 @@ CPU_SHAPE = (1, 256, 2, 64)
 def reference_one_head(q, k, v, dout, scale, causal):
     """Plain float64 attention and its gradients for q (sq, d), k and v (sk, d), dout (sq, d).
 
-    Written independently of the tiled code: the full score matrix, one softmax.
+    Written independently of the tiled code: the full score matrix, one softmax (the
+    visibility rule is the one of ``_spec``).
     Returns out, dq, dk, dv.
     """
     q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
     sq, sk = q.shape[0], k.shape[0]
     s = q @ k.T * scale
-    if causal:      # bottom-right aligned: query i sees keys j <= i + sk - sq
-        s[np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)] = -np.inf
+    s[~_spec.visible(np.arange(sq), np.arange(sk), sq, sk, _spec.band(causal))] = -np.inf
     m = s.max(axis=1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(axis=1, keepdims=True)
@@ -147,7 +147,7 @@ def warmup(args):
     t0 = time.perf_counter()
     for filename, name in names:
         try:
-            _compile.get_kernel(filename, name)
+            _compile.get_kernel(_compile.source(filename), name)
         except Exception as e:  # report every kernel that fails, not only the first
             failed.append(f"  {filename} {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
     seconds = time.perf_counter() - t0

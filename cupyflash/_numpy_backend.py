@@ -21,47 +21,45 @@ over the group by the contractions themselves.
 
 import numpy as np
 
+from . import _spec
 from ._config import LOG2E, lse_dtype
 
 BR = 64                 # query rows per tile
 BC = 64                 # keys per tile
 
 
-def key_blocks(q_block, seqlen_q, seqlen_k, causal, br=BR, bc=BC):
+def key_blocks(q_block, seqlen_q, seqlen_k, window, br=BR, bc=BC):
     """The key blocks that query block ``q_block`` visits, as ``[(key_block, partial), ...]``.
 
-    A key block entirely masked for every row of the query block is left out. ``partial``
-    is True where some element of the tile is masked (it needs the element mask); sequence
+    ``window`` is the call's band ``(left, right)`` (``_spec.band``). Only the key blocks
+    that intersect the band of some row of the query block are visited. ``partial`` is True
+    where some element of the tile is outside the band (it needs the element mask); sequence
     bounds are not masking here, since the NumPy tiles are sliced to the sequence.
     """
-    n_kblocks = -(-seqlen_k // bc)
-    if not causal:
-        return [(j, False) for j in range(n_kblocks)]
-    shift = seqlen_k - seqlen_q             # bottom-right alignment: row i sees j <= i + shift
-    row0 = q_block * br
-    row1 = min(row0 + br, seqlen_q) - 1     # last row of the block
+    rows = (q_block * br, min((q_block + 1) * br, seqlen_q) - 1)    # first and last row
+    (begin_first, begin_last), (end_first, end_last) = _spec.key_range(
+        rows, seqlen_q, seqlen_k, window)
+    # Both ends of the band grow with the row: the block's rows together see keys
+    # [begin_first, end_last) (consecutive rows' ranges overlap or touch).
+    if end_last <= begin_first:
+        return []
     visited = []
-    for j in range(n_kblocks):
-        col0, col1 = j * bc, min((j + 1) * bc, seqlen_k) - 1
-        if col0 > row1 + shift:             # no row of the block sees any key of this block
-            break
-        visited.append((j, col1 > row0 + shift))
+    for j in range(int(begin_first) // bc, -(-int(end_last) // bc)):
+        c0, c1 = j * bc, min((j + 1) * bc, seqlen_k)
+        # Full iff every row sees every key: the first row reaches the last key and the last
+        # row the first key.
+        visited.append((j, bool(c1 > end_first or c0 < begin_last)))
     return visited
 
 
-def query_blocks(seqlen_q, seqlen_k, causal, br=BR, bc=BC):
+def query_blocks(seqlen_q, seqlen_k, window, br=BR, bc=BC):
     """The transposed lists, built from ``key_blocks``: for each key block, the query blocks
     that visit it, ``[[(q_block, partial), ...] per key block]`` (what the backward loops over)."""
     lists = [[] for _ in range(-(-seqlen_k // bc))]
     for i in range(-(-seqlen_q // br)):
-        for j, partial in key_blocks(i, seqlen_q, seqlen_k, causal, br, bc):
+        for j, partial in key_blocks(i, seqlen_q, seqlen_k, window, br, bc):
             lists[j].append((i, partial))
     return lists
-
-
-def _tile_mask(rows, cols, seqlen_q, seqlen_k):
-    """The causal element mask of one tile, (len(rows), len(cols)), True where visible."""
-    return cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
 
 
 def _grouped(x, nheads_k):
@@ -125,21 +123,23 @@ def forward(q, k, v, scale, causal, block_mask=None):
     q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
     if block_mask is None:
         br, bc = BR, BC
-        kv_lists = [[key_blocks(i, sq, sk, causal) for i in range(-(-sq // BR))]]
+        window = _spec.band(causal)
+        kv_lists = [[key_blocks(i, sq, sk, window) for i in range(-(-sq // BR))]]
     else:
         br, bc = block_mask.block_q, block_mask.block_k
         causal = causal or block_mask.causal
+        window = _spec.band(causal)
         kv_lists, _ = _mask_visits(block_mask, causal)
     out = np.zeros(q64.shape, np.float64)
     lse = np.full(q64.shape[:-1], -np.inf)
     for mask_head, kv_heads, group in _head_groups(block_mask, h, hk):
         out[:, kv_heads, group], lse[:, kv_heads, group] = _forward_tiles(
             q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads], scale, sq, sk,
-            causal, kv_lists[mask_head], br, bc)
+            window, kv_lists[mask_head], br, bc)
     return _ungrouped(out, q.dtype), lse.reshape(b, h, sq).astype(lse_dtype(q.dtype))
 
 
-def _forward_tiles(q64, k64, v64, scale, sq, sk, causal, kv_list, br, bc):
+def _forward_tiles(q64, k64, v64, scale, sq, sk, window, kv_list, br, bc):
     """The forward loop over query tiles of ``br`` rows, each visiting the key tiles of
     ``bc`` keys in ``kv_list[query_tile]``. Grouped float64 layout in, (out, lse) out."""
     scale_log2 = scale * LOG2E
@@ -155,9 +155,10 @@ def _forward_tiles(q64, k64, v64, scale, sq, sk, causal, kv_list, br, bc):
             c0, c1 = j * bc, min((j + 1) * bc, sk)
             k_t, v_t = k64[..., c0:c1, :], v64[..., c0:c1, :]
             s = (q_t @ k_t.swapaxes(-1, -2)) * scale_log2
-            # Sequence tails are sliced off here, so only the causal rule needs masking.
-            if partial and causal:
-                s = np.where(_tile_mask(np.arange(r0, r1), np.arange(c0, c1), sq, sk), s, -np.inf)
+            # Sequence tails are sliced off here, so only the band needs masking.
+            if partial:
+                s = np.where(_spec.visible(np.arange(r0, r1), np.arange(c0, c1), sq, sk, window),
+                             s, -np.inf)
             m_new = np.maximum(m, s.max(axis=-1))
             # A row with no visible key yet keeps m = -inf; subtract 0 instead so that
             # exp2(-inf - -inf) never happens (its p and alpha are then exactly 0).
@@ -192,10 +193,12 @@ def backward(dout, q, k, v, out, lse, scale, causal, block_mask=None):
     lse_log2 = np.where(np.isneginf(lse64), np.inf, lse64 * LOG2E)
     if block_mask is None:
         br, bc = BR, BC
-        q_lists = [query_blocks(sq, sk, causal)]
+        window = _spec.band(causal)
+        q_lists = [query_blocks(sq, sk, window)]
     else:
         br, bc = block_mask.block_q, block_mask.block_k
         causal = causal or block_mask.causal
+        window = _spec.band(causal)
         _, q_lists = _mask_visits(block_mask, causal)
     dq = np.zeros(q64.shape)
     dk = np.zeros(k64.shape[:2] + k64.shape[3:])      # (b, hk, sk, d)
@@ -204,7 +207,7 @@ def backward(dout, q, k, v, out, lse, scale, causal, block_mask=None):
         dq_h, dk_h, dv_h = _backward_tiles(
             q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads],
             do64[:, kv_heads, group], dsum[:, kv_heads, group], lse_log2[:, kv_heads, group],
-            scale, sq, sk, causal, q_lists[mask_head], br, bc)
+            scale, sq, sk, window, q_lists[mask_head], br, bc)
         dq[:, kv_heads, group] = dq_h
         dk[:, kv_heads] += dk_h                       # per-head masks: summed head by head
         dv[:, kv_heads] += dv_h
@@ -213,7 +216,7 @@ def backward(dout, q, k, v, out, lse, scale, causal, block_mask=None):
     return _ungrouped(dq, q.dtype), dk, dv
 
 
-def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scale, sq, sk, causal, q_list, br, bc):
+def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scale, sq, sk, window, q_list, br, bc):
     """The backward loop: for each key tile ``j`` of ``bc`` keys, the query tiles of ``br``
     rows in ``q_list[j]``. Returns dq (grouped) and dk, dv (b, nheads_k, seqlen_k, d), summed
     over the group."""
@@ -231,8 +234,9 @@ def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scale, sq, sk, causal, 
             r0, r1 = i * br, min((i + 1) * br, sq)
             q_t, do_t = q64[..., r0:r1, :], do64[..., r0:r1, :]
             s = (q_t @ k_t.swapaxes(-1, -2)) * scale_log2
-            if partial and causal:
-                s = np.where(_tile_mask(np.arange(r0, r1), np.arange(c0, c1), sq, sk), s, -np.inf)
+            if partial:
+                s = np.where(_spec.visible(np.arange(r0, r1), np.arange(c0, c1), sq, sk, window),
+                             s, -np.inf)
             p = np.exp2(s - lse_log2[..., r0:r1, None])
             dv_t += (p.swapaxes(-1, -2) @ do_t).sum(axis=2)     # summed over the group
             dp = do_t @ v_t.swapaxes(-1, -2)

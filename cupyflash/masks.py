@@ -30,6 +30,7 @@ import numbers
 
 import numpy as np
 
+from . import _spec
 from ._config import MASK_BLOCK_SIZES as BLOCK_SIZES, cdiv
 from ._validate import INT32_LIMIT, check_flag, check_int as _check_int
 
@@ -106,26 +107,20 @@ def _to_numpy(a, name):
 # ---------------------------------------------------------------------------------------------
 # Geometry shared by the block lists, density and to_dense
 
-def _key_end(rows, seqlen_q, seqlen_k, causal):
-    """One past the last key visible to each query row (rows may lie past seqlen_q)."""
-    if not causal:
-        return np.full(np.shape(rows), seqlen_k, np.int64)
-    return np.clip(rows + 1 + (seqlen_k - seqlen_q), 0, seqlen_k)
-
-
-def _visible_counts(tile_q, tile_k, seqlen_q, seqlen_k, causal):
-    """(nqt, nkt) int64: visible elements of each tile (within the sequences, under the causal
-    rule if ``causal``), in closed form: no element-level array is built."""
+def _visible_counts(tile_q, tile_k, seqlen_q, seqlen_k, window):
+    """(nqt, nkt) int64: visible elements of each tile (within the sequences, under the band
+    ``window`` of ``_spec.band``), in closed form: no element-level array is built."""
     r0 = np.arange(cdiv(seqlen_q, tile_q), dtype=np.int64) * tile_q
     c0 = np.arange(cdiv(seqlen_k, tile_k), dtype=np.int64) * tile_k
     r1 = np.minimum(r0 + tile_q, seqlen_q)
     c1 = np.minimum(c0 + tile_k, seqlen_k)
     width = (c1 - c0)[None, :]
-    if not causal:
-        return (r1 - r0)[:, None] * width
-    # Row i sees clip(t, 0, width) keys of the tile, t = i + shift + 1 - c0; t runs over
-    # consecutive integers, so the sum over the rows is a difference of the prefix sum
-    # G(x) = sum_{t=0}^{x-1} clip(t, 0, w).
+    # _spec.key_range: row i sees keys [i + shift - left, i + shift + right + 1) clipped to
+    # [0, seqlen_k). Of key tile [c0, c1) that is clip(end - c0, 0, w) - clip(begin - c0, 0,
+    # w) keys, where the clipping to the sequence changes neither term (c0 >= 0, c1 <=
+    # seqlen_k). Each term runs over consecutive integers as i does, so its sum over the rows
+    # of a tile is a difference of the prefix sum G(x) = sum_{t=0}^{x-1} clip(t, 0, w).
+    left, right = window
     shift = seqlen_k - seqlen_q
 
     def prefix(x, w):
@@ -134,9 +129,14 @@ def _visible_counts(tile_q, tile_k, seqlen_q, seqlen_k, causal):
         flat = w * (w + 1) // 2 + (x - w - 1) * w
         return np.where(x <= w + 1, ramp, flat)
 
-    t0 = r0[:, None] + shift + 1 - c0[None, :]
-    t1 = r1[:, None] + shift + 1 - c0[None, :]
-    return prefix(t1, width) - prefix(t0, width)
+    def summed(offset):
+        """sum over the tile's rows i of clip(i + offset - c0, 0, w)."""
+        t0 = r0[:, None] + offset - c0[None, :]
+        t1 = r1[:, None] + offset - c0[None, :]
+        return prefix(t1, width) - prefix(t0, width)
+
+    seen = (r1 - r0)[:, None] * width if right < 0 else summed(shift + right + 1)
+    return seen if left < 0 else seen - summed(shift - left)
 
 
 def _sorted_lists(kept, partial):
@@ -261,7 +261,7 @@ class BlockMask:
         """Fraction of the (heads x seqlen_q x seqlen_k) elements that are visible
         (``to_dense().mean()``, computed at block level)."""
         counts = _visible_counts(self.block_q, self.block_k, self.seqlen_q, self.seqlen_k,
-                                 self.causal)
+                                 _spec.band(self.causal))
         visible = int((self.blocks * counts[None]).sum())
         return visible / (self.heads * self.seqlen_q * self.seqlen_k)
 
@@ -271,9 +271,8 @@ class BlockMask:
         dense = self.blocks.repeat(self.block_q, axis=1).repeat(self.block_k, axis=2)
         dense = dense[:, :self.seqlen_q, :self.seqlen_k]
         if self.causal:
-            rows = np.arange(self.seqlen_q)[:, None]
-            dense = dense & (np.arange(self.seqlen_k)[None, :] < _key_end(
-                rows, self.seqlen_q, self.seqlen_k, True))
+            dense = dense & _spec.visible(np.arange(self.seqlen_q), np.arange(self.seqlen_k),
+                                          self.seqlen_q, self.seqlen_k, _spec.CAUSAL)
         return np.ascontiguousarray(dense)
 
     def __repr__(self):
@@ -329,10 +328,16 @@ class BlockMask:
         cols0 = np.arange(nkt, dtype=np.int64) * tile_k
         # Tiles divide blocks, so each tile lies inside one mask block.
         in_block = self.blocks[:, (rows0 // self.block_q)[:, None], (cols0 // self.block_k)[None]]
-        visible = _visible_counts(tile_q, tile_k, sq, sk, causal) > 0
+        window = _spec.band(causal)
+        visible = _visible_counts(tile_q, tile_k, sq, sk, window) > 0
         kept = in_block & visible[None]
-        # key_end is nondecreasing in the row, so the tile's first row decides.
-        partial = (cols0[None, :] + tile_k) > _key_end(rows0, sq, sk, causal)[:, None]
+        # Both ends of the band grow with the row, so the tile's first row decides whether it
+        # sees up to the tile's last key (or past the sequence end: the tail predicate), and
+        # its last row within the sequence whether it sees the tile's first key.
+        _, first_end = _spec.key_range(rows0, sq, sk, window)
+        last_begin, _ = _spec.key_range(np.minimum(rows0 + tile_q, sq) - 1, sq, sk, window)
+        partial = ((cols0[None, :] + tile_k > first_end[:, None])
+                   | (cols0[None, :] < last_begin[:, None]))
         partial = np.broadcast_to(partial[None], kept.shape)
         kv = _sorted_lists(kept, partial)
         q = _sorted_lists(kept.transpose(0, 2, 1), partial.transpose(0, 2, 1))
@@ -355,9 +360,10 @@ class BlockMask:
         TileLists of int32 C-contiguous arrays, ``nqt = ceil(seqlen_q / tile_q)``,
         ``nkt = ceil(seqlen_k / tile_k)``. A tile pair is kept iff its mask block is kept and
         at least one of its elements is visible (sequence bounds, causal); it is partial iff
-        ``nt * tile_k + tile_k > key_end(mt * tile_q)`` with ``key_end(i) = min(seqlen_k, i + 1
-        + seqlen_k - seqlen_q)`` if causal else ``seqlen_k`` (some element of it needs
-        masking). Cached per (tile_q, tile_k, causal, xp, device, stream): device lists are
+        some element of it needs masking: ``nt * tile_k + tile_k > end(mt * tile_q)`` or
+        ``nt * tile_k < begin(last row of the tile)``, with ``(begin, end) =
+        _spec.key_range(row, ...)`` of the band (``end(i) = min(seqlen_k, i + 1 + seqlen_k -
+        seqlen_q)`` if causal else ``seqlen_k``; ``begin`` is 0 under causal). Cached per (tile_q, tile_k, causal, xp, device, stream): device lists are
         copied and allocated on the stream of the calls that read them, so CuPy's pool can
         neither hand their memory out nor reuse it before those calls are done. The
         ``DEVICE_LISTS_KEPT`` most recently used device copies are kept (a caller that cycles

@@ -89,11 +89,22 @@ def _einsum(spec, a, b):
 # ---------------------------------------------------------------------------------------------
 # The float64 reference
 
-def _causal_visible(xp, seqlen_q, seqlen_k):
-    """(seqlen_q, seqlen_k) bool, bottom-right aligned: query i sees keys j <= i + sk - sq."""
-    rows = xp.arange(seqlen_q)[:, None]
-    cols = xp.arange(seqlen_k)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+def _visible(xp, seqlen_q, seqlen_k, causal, window_size=(-1, -1)):
+    """(seqlen_q, seqlen_k) bool, True where query i sees key j, from the documented rule
+    (written here apart from cupyflash._spec on purpose): with the offset ``o = j - (i +
+    seqlen_k - seqlen_q)`` of key j from query i's bottom-right-aligned diagonal, j is seen iff
+    ``o >= -left`` (unless left < 0), ``o <= right`` (unless right < 0) and, if causal,
+    ``o <= 0``."""
+    left, right = window_size
+    offset = xp.arange(seqlen_k)[None, :] - (xp.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)
+    seen = xp.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        seen &= offset >= -left
+    if right >= 0:
+        seen &= offset <= right
+    if causal:
+        seen &= offset <= 0
+    return seen
 
 
 def _repeat_kv(x, nheads):
@@ -129,7 +140,7 @@ def _scores(q, k, scale, causal, mask=None):
     xp = get_xp(q)
     s = _einsum("bihd,bjhd->bhij", q, k) * scale
     if causal:
-        s = xp.where(_causal_visible(xp, q.shape[1], k.shape[1]), s, -xp.inf)
+        s = xp.where(_visible(xp, q.shape[1], k.shape[1], causal), s, -xp.inf)
     if mask is not None:
         s = xp.where(xp.asarray(mask, dtype=bool)[None], s, -xp.inf)
     return s

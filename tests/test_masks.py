@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupyflash as cf
-from cupyflash import _numpy_backend, _validate, masks
+from cupyflash import _numpy_backend, _spec, _validate, masks
 from reference import (attention_naive, attention_naive_backward, attention_ref,
                        attention_ref_backward, assert_rule, random_array, random_inputs)
 
@@ -195,6 +195,19 @@ def test_to_dense_is_block_expansion_and_causal(sq, sk, bs, causal):
         expected[h, i, j] = grid[h, i // bq, j // bk] and (not causal or j <= i + sk - sq)
     np.testing.assert_array_equal(dense, expected)
     assert m.density == pytest.approx(expected.mean(), abs=1e-15)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (3, 0), (0, 17), (40, 40),
+                                    (100, -1), (-1, 5)])
+@pytest.mark.parametrize("sq,sk,tile", [(150, 400, (64, 16)), (400, 150, (16, 64)),
+                                        (1, 1, (16, 16)), (97, 97, (32, 32)), (5, 300, (16, 32))])
+def test_visible_counts_are_the_band_counted_element_by_element(sq, sk, tile, window):
+    """The closed form of masks._visible_counts against _spec.visible summed per tile."""
+    tq, tk = tile
+    seen = _spec.visible(np.arange(sq), np.arange(sk), sq, sk, window)
+    expected = np.array([[seen[i:i + tq, j:j + tk].sum() for j in range(0, sk, tk)]
+                         for i in range(0, sq, tq)])
+    np.testing.assert_array_equal(masks._visible_counts(tq, tk, sq, sk, window), expected)
 
 
 def test_density_of_builders_matches_dense_mean():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cupyflash as cf
-from cupyflash import _numpy_backend
+from cupyflash import _numpy_backend, _spec
 from reference import (attention_naive, attention_naive_backward, attention_ref,
                        attention_ref_backward, assert_rule, random_array, random_inputs)
 
@@ -210,16 +210,33 @@ def test_numpy_in_numpy_out():
 # --- the visiting function ------------------------------------------------------------------
 
 def test_key_blocks_skip_fully_masked_blocks():
+    causal, dense = _spec.CAUSAL, _spec.NO_WINDOW
     # seqlen_q = seqlen_k = 200: query block i visits key blocks 0..i, only block i partial.
     for i in range(4):
-        assert _numpy_backend.key_blocks(i, 200, 200, True) == \
+        assert _numpy_backend.key_blocks(i, 200, 200, causal) == \
             [(j, j == i) for j in range(i + 1)]
-    assert _numpy_backend.key_blocks(0, 200, 200, False) == [(j, False) for j in range(4)]
+    assert _numpy_backend.key_blocks(0, 200, 200, dense) == [(j, False) for j in range(4)]
     # seqlen_q = 130 > seqlen_k = 10: rows 0..119 see nothing, so query block 0 visits nothing.
-    assert _numpy_backend.key_blocks(0, 130, 10, True) == []
-    assert _numpy_backend.key_blocks(1, 130, 10, True) == [(0, True)]
-    assert _numpy_backend.query_blocks(130, 10, True) == [[(1, True), (2, True)]]
-    assert _numpy_backend.query_blocks(200, 200, True)[1] == [(1, True), (2, False), (3, False)]
+    assert _numpy_backend.key_blocks(0, 130, 10, causal) == []
+    assert _numpy_backend.key_blocks(1, 130, 10, causal) == [(0, True)]
+    assert _numpy_backend.query_blocks(130, 10, causal) == [[(1, True), (2, True)]]
+    assert _numpy_backend.query_blocks(200, 200, causal)[1] == [(1, True), (2, False), (3, False)]
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (5, 0), (0, 70), (64, 64),
+                                    (100, -1), (-1, 3), (1000, 1000)])
+@pytest.mark.parametrize("sq,sk", [(200, 200), (130, 10), (10, 130), (65, 191), (191, 65)])
+def test_key_blocks_are_the_blocks_the_band_touches(sq, sk, window):
+    """Visited: exactly the blocks with a visible element; partial: exactly those with a
+    hidden one (element by element from _spec.visible)."""
+    seen = _spec.visible(np.arange(sq), np.arange(sk), sq, sk, window)
+    for i in range(-(-sq // 64)):
+        expected = []
+        for j in range(-(-sk // 64)):
+            tile = seen[i * 64:(i + 1) * 64, j * 64:(j + 1) * 64]
+            if tile.any():
+                expected.append((j, not tile.all()))
+        assert _numpy_backend.key_blocks(i, sq, sk, window) == expected, i
 
 
 def test_reference_bf16_rounding_is_nearest_even():
