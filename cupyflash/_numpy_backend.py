@@ -111,25 +111,23 @@ _IEEE = dict(invalid="ignore", over="ignore", divide="ignore")
 
 
 @np.errstate(**_IEEE)
-def forward(q, k, v, scale, causal, block_mask=None):
+def forward(q, k, v, scale, spec, block_mask=None):
     """Returns ``(out, lse)``: out like q in q's dtype, lse (batch, nheads, seqlen_q) in
     natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key.
 
+    ``spec`` is the call's ``_spec.CallSpec`` (its band has the mask's own causal folded in).
     With ``block_mask`` (a ``BlockMask`` whose geometry was checked), the tiles are the
-    mask's blocks and each query block visits only its listed key blocks; ``causal`` is
-    ORed with the mask's own."""
+    mask's blocks and each query block visits only its listed key blocks."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
+    window = spec.window
     if block_mask is None:
         br, bc = BR, BC
-        window = _spec.band(causal)
         kv_lists = [[key_blocks(i, sq, sk, window) for i in range(-(-sq // BR))]]
     else:
         br, bc = block_mask.block_q, block_mask.block_k
-        causal = causal or block_mask.causal
-        window = _spec.band(causal)
-        kv_lists, _ = _mask_visits(block_mask, causal)
+        kv_lists, _ = _mask_visits(block_mask, spec.causal)
     out = np.zeros(q64.shape, np.float64)
     lse = np.full(q64.shape[:-1], -np.inf)
     for mask_head, kv_heads, group in _head_groups(block_mask, h, hk):
@@ -178,7 +176,7 @@ def _forward_tiles(q64, k64, v64, scale, sq, sk, window, kv_list, br, bc):
 
 
 @np.errstate(**_IEEE)
-def backward(dout, q, k, v, out, lse, scale, causal, block_mask=None):
+def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None):
     """Returns ``(dq, dk, dv)`` shaped and typed like q, k and v (dk, dv summed over the
     query heads of each group). ``block_mask`` as in ``forward``: each key block loops over
     the query blocks of the mask's transposed lists."""
@@ -191,15 +189,13 @@ def backward(dout, q, k, v, out, lse, scale, causal, block_mask=None):
     lse64 = np.asarray(lse, dtype=np.float64).reshape(b, hk, g, sq)
     # Rows that saw no key (lse = -inf) get P = exp2(s - inf) = 0 instead of inf or NaN.
     lse_log2 = np.where(np.isneginf(lse64), np.inf, lse64 * LOG2E)
+    window = spec.window
     if block_mask is None:
         br, bc = BR, BC
-        window = _spec.band(causal)
         q_lists = [query_blocks(sq, sk, window)]
     else:
         br, bc = block_mask.block_q, block_mask.block_k
-        causal = causal or block_mask.causal
-        window = _spec.band(causal)
-        _, q_lists = _mask_visits(block_mask, causal)
+        _, q_lists = _mask_visits(block_mask, spec.causal)
     dq = np.zeros(q64.shape)
     dk = np.zeros(k64.shape[:2] + k64.shape[3:])      # (b, hk, sk, d)
     dv = np.zeros(dk.shape)

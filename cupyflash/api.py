@@ -3,7 +3,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _config, _validate
+from . import _arrays, _config, _spec, _validate
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=None,
@@ -70,12 +70,13 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
     _validate.check_forward(q, k, v, softmax_scale)
     causal = _check_mask(block_mask, q, k, causal)
     scale = _scale(softmax_scale, q.shape[-1])
+    spec = _spec.CallSpec.of(q, causal=causal, block_mask=block_mask)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
-            out, lse = _numpy_backend.forward(q, k, v, scale, causal, block_mask)
+            out, lse = _numpy_backend.forward(q, k, v, scale, spec, block_mask)
         else:
-            out, lse = _forward_gpu(q, k, v, scale, causal, block_mask)
+            out, lse = _forward_gpu(q, k, v, scale, spec, block_mask, None)
         out = _arrays.to_caller(out, kind)
         return (out, _arrays.to_caller(lse, kind)) if return_lse else out
 
@@ -108,13 +109,14 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     _validate.check_backward(dout, q, k, v, out, lse, softmax_scale)
     causal = _check_mask(block_mask, q, k, causal)
     scale = _scale(softmax_scale, q.shape[-1])
+    spec = _spec.CallSpec.of(q, causal=causal, block_mask=block_mask)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
-            grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, causal, block_mask)
+            grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, spec, block_mask)
         else:
-            grads = _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic,
-                                  block_mask)
+            grads = _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, None,
+                                  deterministic)
         return tuple(_arrays.to_caller(g, kind) for g in grads)
 
 
@@ -130,22 +132,23 @@ def _scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
-def _forward_gpu(q, k, v, scale, causal, block_mask):
+def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes):
     """Runs inside the caller's device and stream (``_arrays.launch_context``)."""
     import cupy as cp
     from . import _launch
-    _launch.check_supported(q.dtype, q.shape[-1], block_mask)
+    _launch.check_supported(spec, block_mask)
     b, sq, h, _ = q.shape
     out = cp.empty(q.shape, q.dtype)
     lse = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
-    _launch.forward(q, k, v, out, lse, scale, causal, block_mask)
+    _launch.forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes)
     return out, lse
 
 
-def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic, block_mask):
+def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes,
+                  deterministic):
     import cupy as cp
     from . import _launch
-    _launch.check_supported(q.dtype, q.shape[-1], block_mask)
+    _launch.check_supported(spec, block_mask)
     b, sq, h, _ = q.shape
     dq = cp.empty(q.shape, q.dtype)
     dk = cp.empty(k.shape, k.dtype)
@@ -155,6 +158,6 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, causal, deterministic, block_m
     stats = cp.empty((2, b, h, sq), _config.lse_dtype(q.dtype))   # D and lse in log2 units
     use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
     dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
-    _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, causal,
-                     block_mask)
+    _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
+                     block_mask, alibi_slopes)
     return dq, dk, dv

@@ -470,8 +470,9 @@ def api_takes_block_mask():
 
 
 def run_backend(q, k, v, dout, scale, causal, mask):
-    out, lse = _numpy_backend.forward(q, k, v, scale, causal, block_mask=mask)
-    grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, causal, block_mask=mask)
+    spec = _spec.CallSpec.of(q, causal=causal or mask.causal, block_mask=mask)
+    out, lse = _numpy_backend.forward(q, k, v, scale, spec, block_mask=mask)
+    grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, spec, block_mask=mask)
     return out, lse, grads
 
 
@@ -553,8 +554,9 @@ def test_causal_mask_equals_dense_causal(runner, sq, sk):
     q, k, v = random_inputs(np, (1, sq, 2, 8), (1, sk, 2, 8), np.float64, seed=40)
     dout = random_array(np, q.shape, np.float64, seed=41)
     out, lse, grads = RUNNERS[runner](q, k, v, dout, 8 ** -0.5, False, masks.causal(sq, sk, 64))
-    out_d, lse_d = _numpy_backend.forward(q, k, v, 8 ** -0.5, True)
-    grads_d = _numpy_backend.backward(dout, q, k, v, out_d, lse_d, 8 ** -0.5, True)
+    spec = _spec.CallSpec.of(q, causal=True)
+    out_d, lse_d = _numpy_backend.forward(q, k, v, 8 ** -0.5, spec)
+    grads_d = _numpy_backend.backward(dout, q, k, v, out_d, lse_d, 8 ** -0.5, spec)
     assert rel_err(out, out_d) < F64_REL and rel_err(lse, lse_d) < F64_REL
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_d))
     for g, g_d in zip(grads, grads_d):

@@ -86,12 +86,13 @@ def test_tiled_backend_matches_reference_off_tile_multiples(sq, sk, causal):
     """The tiles of _numpy_backend (64 x 64) do not divide these seqlens."""
     q, k, v = random_inputs(np, (2, sq, 2, 24), (2, sk, 1, 24), np.float64, seed=sq + sk)
     scale = 24 ** -0.5
-    out, lse = _numpy_backend.forward(q, k, v, scale, causal)
+    spec = _spec.CallSpec.of(q, causal=causal)
+    out, lse = _numpy_backend.forward(q, k, v, scale, spec)
     out_ref, lse_ref = attention_ref(q, k, v, scale, causal)
     assert rel_err(out, out_ref) < F64_REL
     assert rel_err(lse, lse_ref) < F64_REL
     dout = random_array(np, q.shape, np.float64, seed=7)
-    grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, causal)
+    grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, spec)
     for g, g_ref in zip(grads, attention_ref_backward(dout, q, k, v, scale, causal)):
         assert rel_err(g, g_ref) < F64_REL
 
