@@ -4,20 +4,29 @@ This is the reference the GPU results are checked against and the fallback where
 present; it is exact, not fast. It follows the kernels step by step so that a reader can use
 it to understand them:
 
-- forward: query blocks of ``BR`` rows, key blocks of ``BC`` keys, online softmax in base 2
-  (``log2(e)`` folded into the scale), the output rescaled lazily and normalized once at the
-  end; ``lse = (m + log2(l)) / log2(e)`` stored in natural log.
+- scores of a tile (``_Scores.tile``): ``s = q.k * scale``, then the score modifier
+  (``softcap * tanh(s / softcap)``, then the ALiBi bias ``-slope * |i + seqlen_k - seqlen_q -
+  j|``), then the band mask (causal, sliding window) on tiles that cross the band's edge;
+  ``log2(e)`` folded into the multipliers, so that the scores come out in base-2 units.
+- forward: query blocks of ``BR`` rows, key blocks of ``BC`` keys, online softmax in base 2,
+  the output rescaled lazily and normalized once at the end; ``lse = (m + log2(l)) /
+  log2(e)`` stored in natural log.
 - backward: ``D = rowsum(dout * out)`` first, then for each key block a loop over the query
-  blocks that see it, recomputing ``P`` from q, k and lse. Only tile-sized pieces of the
+  blocks that see it, recomputing ``P`` from q, k and lse; ``dS`` goes back through the
+  softcap (``1 - tanh**2``), the bias has no gradient. Only tile-sized pieces of the
   seqlen_q x seqlen_k matrices ever exist.
 
-Which key blocks a query block visits is decided in one place, ``key_blocks``; a block-sparse
-mask replaces it with its own lists of kept blocks (partial blocks apart from full ones).
+Which key blocks a query block visits is decided in one place, ``key_blocks``: those that
+meet the band (causal, window) of some row, partial where the band's edge crosses them; a
+block-sparse mask replaces it with its own lists of kept blocks (partial blocks apart from
+full ones).
 
 Arrays inside are laid out (batch, nheads_k, group, seqlen, headdim), ``group = nheads //
 nheads_k``, so that grouped query heads broadcast against their kv head and dk/dv are summed
 over the group by the contractions themselves.
 """
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -105,26 +114,78 @@ def _head_groups(block_mask, nheads, nheads_k):
         yield head, slice(head // g, head // g + 1), slice(head % g, head % g + 1)
 
 
+class _Scores(NamedTuple):
+    """The steps of a call that turn ``q k^T`` of a tile into its scores, in the kernels'
+    order: the score modifier (scale, softcap, ALiBi bias), then the band mask."""
+    seqlen_q: int
+    seqlen_k: int
+    scale: float
+    window: tuple           # the band (left, right) of _spec.band
+    softcap: float          # 0: off
+    slopes: object          # ALiBi slopes, float64 (batch or 1, nheads_k, group), or None
+
+    def tile(self, q_t, k_t, r0, r1, c0, c1, partial):
+        """Scores of rows ``[r0, r1)`` x keys ``[c0, c1)`` in base-2 units, -inf outside the
+        band where ``partial``; and ``tanh`` of the softcap's argument (None without softcap),
+        from which the backward takes the cap's derivative ``1 - tanh**2``."""
+        qk = q_t @ k_t.swapaxes(-1, -2)
+        if self.softcap:
+            # As the kernels fold it: scale / softcap before tanh, softcap * log2(e) after.
+            t = np.tanh(qk * (self.scale / self.softcap))
+            s = t * (self.softcap * LOG2E)
+        else:
+            t = None
+            s = qk * (self.scale * LOG2E)
+        rows, cols = np.arange(r0, r1), np.arange(c0, c1)
+        if self.slopes is not None:
+            # ALiBi: -slope * |i + seqlen_k - seqlen_q - j|, the distance from the diagonal
+            # aligned bottom-right like the band.
+            dist = np.abs(rows[:, None] + (self.seqlen_k - self.seqlen_q) - cols[None, :])
+            s = s - (self.slopes * LOG2E)[..., None, None] * dist
+        # Sequence tails are sliced off here, so only the band needs masking.
+        if partial:
+            s = np.where(_spec.visible(rows, cols, self.seqlen_q, self.seqlen_k, self.window),
+                         s, -np.inf)
+        return s, t
+
+    def heads(self, kv_heads, group):
+        """The same steps for a slice of the heads (per-head block masks)."""
+        if self.slopes is None:
+            return self
+        return self._replace(slopes=self.slopes[:, kv_heads, group])
+
+
+def _scores(q, k, scale, spec, alibi_slopes):
+    """The call's ``_Scores``; the slopes, (nheads,) or (batch, nheads), go to the grouped
+    layout (batch or 1, nheads_k, group)."""
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, np.float64)
+        slopes = slopes.reshape(slopes.shape[0] if slopes.ndim == 2 else 1, k.shape[2], -1)
+    return _Scores(q.shape[1], k.shape[1], scale, spec.window, spec.softcap, slopes)
+
+
 # NaN and infinity in the inputs flow through as the arithmetic gives them (api.py's
 # flash_attention docstring): NumPy's warnings about them are not the caller's business.
 _IEEE = dict(invalid="ignore", over="ignore", divide="ignore")
 
 
 @np.errstate(**_IEEE)
-def forward(q, k, v, scale, spec, block_mask=None):
+def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None):
     """Returns ``(out, lse)``: out like q in q's dtype, lse (batch, nheads, seqlen_q) in
     natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key.
 
-    ``spec`` is the call's ``_spec.CallSpec`` (its band has the mask's own causal folded in).
-    With ``block_mask`` (a ``BlockMask`` whose geometry was checked), the tiles are the
-    mask's blocks and each query block visits only its listed key blocks."""
+    ``spec`` is the call's ``_spec.CallSpec`` (its band has the mask's own causal folded in);
+    ``alibi_slopes`` the validated NumPy slopes when ``spec.alibi``. With ``block_mask`` (a
+    ``BlockMask`` whose geometry was checked), the tiles are the mask's blocks and each query
+    block visits only its listed key blocks."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
-    window = spec.window
+    scores = _scores(q, k, scale, spec, alibi_slopes)
     if block_mask is None:
         br, bc = BR, BC
-        kv_lists = [[key_blocks(i, sq, sk, window) for i in range(-(-sq // BR))]]
+        kv_lists = [[key_blocks(i, sq, sk, spec.window) for i in range(-(-sq // BR))]]
     else:
         br, bc = block_mask.block_q, block_mask.block_k
         kv_lists, _ = _mask_visits(block_mask, spec.causal)
@@ -132,15 +193,15 @@ def forward(q, k, v, scale, spec, block_mask=None):
     lse = np.full(q64.shape[:-1], -np.inf)
     for mask_head, kv_heads, group in _head_groups(block_mask, h, hk):
         out[:, kv_heads, group], lse[:, kv_heads, group] = _forward_tiles(
-            q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads], scale, sq, sk,
-            window, kv_lists[mask_head], br, bc)
+            q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads],
+            scores.heads(kv_heads, group), kv_lists[mask_head], br, bc)
     return _ungrouped(out, q.dtype), lse.reshape(b, h, sq).astype(lse_dtype(q.dtype))
 
 
-def _forward_tiles(q64, k64, v64, scale, sq, sk, window, kv_list, br, bc):
+def _forward_tiles(q64, k64, v64, scores, kv_list, br, bc):
     """The forward loop over query tiles of ``br`` rows, each visiting the key tiles of
     ``bc`` keys in ``kv_list[query_tile]``. Grouped float64 layout in, (out, lse) out."""
-    scale_log2 = scale * LOG2E
+    sq, sk = scores.seqlen_q, scores.seqlen_k
     out = np.zeros(q64.shape, np.float64)
     lse = np.full(q64.shape[:-1], -np.inf)
     for i, visits in enumerate(kv_list):
@@ -152,11 +213,7 @@ def _forward_tiles(q64, k64, v64, scale, sq, sk, window, kv_list, br, bc):
         for j, partial in visits:
             c0, c1 = j * bc, min((j + 1) * bc, sk)
             k_t, v_t = k64[..., c0:c1, :], v64[..., c0:c1, :]
-            s = (q_t @ k_t.swapaxes(-1, -2)) * scale_log2
-            # Sequence tails are sliced off here, so only the band needs masking.
-            if partial:
-                s = np.where(_spec.visible(np.arange(r0, r1), np.arange(c0, c1), sq, sk, window),
-                             s, -np.inf)
+            s, _ = scores.tile(q_t, k_t, r0, r1, c0, c1, partial)
             m_new = np.maximum(m, s.max(axis=-1))
             # A row with no visible key yet keeps m = -inf; subtract 0 instead so that
             # exp2(-inf - -inf) never happens (its p and alpha are then exactly 0).
@@ -176,10 +233,11 @@ def _forward_tiles(q64, k64, v64, scale, sq, sk, window, kv_list, br, bc):
 
 
 @np.errstate(**_IEEE)
-def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None):
+def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None):
     """Returns ``(dq, dk, dv)`` shaped and typed like q, k and v (dk, dv summed over the
-    query heads of each group). ``block_mask`` as in ``forward``: each key block loops over
-    the query blocks of the mask's transposed lists."""
+    query heads of each group). ``spec``, ``block_mask`` and ``alibi_slopes`` as in
+    ``forward``: each key block loops over the query blocks that visit it (the mask's
+    transposed lists with a mask)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -189,10 +247,10 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None):
     lse64 = np.asarray(lse, dtype=np.float64).reshape(b, hk, g, sq)
     # Rows that saw no key (lse = -inf) get P = exp2(s - inf) = 0 instead of inf or NaN.
     lse_log2 = np.where(np.isneginf(lse64), np.inf, lse64 * LOG2E)
-    window = spec.window
+    scores = _scores(q, k, scale, spec, alibi_slopes)
     if block_mask is None:
         br, bc = BR, BC
-        q_lists = [query_blocks(sq, sk, window)]
+        q_lists = [query_blocks(sq, sk, spec.window)]
     else:
         br, bc = block_mask.block_q, block_mask.block_k
         _, q_lists = _mask_visits(block_mask, spec.causal)
@@ -203,7 +261,7 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None):
         dq_h, dk_h, dv_h = _backward_tiles(
             q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads],
             do64[:, kv_heads, group], dsum[:, kv_heads, group], lse_log2[:, kv_heads, group],
-            scale, sq, sk, window, q_lists[mask_head], br, bc)
+            scores.heads(kv_heads, group), q_lists[mask_head], br, bc)
         dq[:, kv_heads, group] = dq_h
         dk[:, kv_heads] += dk_h                       # per-head masks: summed head by head
         dv[:, kv_heads] += dv_h
@@ -212,11 +270,11 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None):
     return _ungrouped(dq, q.dtype), dk, dv
 
 
-def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scale, sq, sk, window, q_list, br, bc):
+def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scores, q_list, br, bc):
     """The backward loop: for each key tile ``j`` of ``bc`` keys, the query tiles of ``br``
     rows in ``q_list[j]``. Returns dq (grouped) and dk, dv (b, nheads_k, seqlen_k, d), summed
     over the group."""
-    scale_log2 = scale * LOG2E
+    sq, sk, scale = scores.seqlen_q, scores.seqlen_k, scores.scale
     b, hk, _, _, d = q64.shape
     dq = np.zeros(q64.shape)
     dk = np.zeros((b, hk, sk, d))
@@ -229,14 +287,15 @@ def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scale, sq, sk, window, 
         for i, partial in visitors:
             r0, r1 = i * br, min((i + 1) * br, sq)
             q_t, do_t = q64[..., r0:r1, :], do64[..., r0:r1, :]
-            s = (q_t @ k_t.swapaxes(-1, -2)) * scale_log2
-            if partial:
-                s = np.where(_spec.visible(np.arange(r0, r1), np.arange(c0, c1), sq, sk, window),
-                             s, -np.inf)
+            s, t = scores.tile(q_t, k_t, r0, r1, c0, c1, partial)
             p = np.exp2(s - lse_log2[..., r0:r1, None])
             dv_t += (p.swapaxes(-1, -2) @ do_t).sum(axis=2)     # summed over the group
             dp = do_t @ v_t.swapaxes(-1, -2)
-            ds = p * (dp - dsum[..., r0:r1, None])
+            ds = p * (dp - dsum[..., r0:r1, None])    # d loss / d score (natural units)
+            if t is not None:
+                # Through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - tanh**2; the
+                # ALiBi bias is a constant and passes the gradient on unchanged.
+                ds = ds * (1.0 - t * t)
             dk_t += (ds.swapaxes(-1, -2) @ q_t).sum(axis=2) * scale
             dq[..., r0:r1, :] += (ds @ k_t) * scale
         dk[..., c0:c1, :] = dk_t

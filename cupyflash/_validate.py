@@ -172,6 +172,59 @@ def _check_scale(scale, dtype):
                          f"scale * log2(e) must fit a float32")
 
 
+def check_window_size(window_size, block_mask):
+    """``window_size`` as ``(left, right)`` Python ints, each -1 (unbounded) or >= 0.
+
+    A sliding window together with a block mask is refused for now: the mask's lists are
+    built for its own causal rule only."""
+    if not isinstance(window_size, (tuple, list)):
+        raise TypeError(f"window_size must be a tuple (left, right) of two integers, got "
+                        f"{type(window_size).__name__} {_short_repr(window_size)}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must have two entries (left, right), got "
+                         f"{len(window_size)}: {_short_repr(window_size)}")
+    window = tuple(check_int(f"window_size[{i}]", w, -1, INT32_LIMIT - 1)
+                   for i, w in enumerate(window_size))
+    if block_mask is not None and window != (-1, -1):
+        raise ValueError(f"window_size {window} and block_mask cannot be combined yet; pass "
+                         f"window_size=(-1, -1) with a block_mask, or build the window into "
+                         f"the mask (cupyflash.masks.sliding_window)")
+    return window
+
+
+def check_softcap(softcap, dtype):
+    """``softcap`` as a float >= 0 (0 turns it off). Below float64 the kernels hold it (times
+    log2(e)) in a float32: it must neither overflow there nor round to 0, which would turn
+    the cap off unasked."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 = off), got "
+                        f"{type(softcap).__name__} {_short_repr(softcap)}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
+    f32 = np.finfo(np.float32)
+    if dtype != np.float64 and softcap and not (
+            float(f32.tiny) <= softcap and softcap * LOG2E < float(f32.max)):
+        raise ValueError(f"softcap {softcap!r} is out of float32 range for {dtype} inputs "
+                         f"(the kernels hold softcap * log2(e) in a float32)")
+    return softcap
+
+
+def check_alibi_slopes(alibi_slopes, q):
+    """``alibi_slopes``: float32 (nheads,) or (batch, nheads), on q's device, with a
+    contiguous last dimension (float32 only, as FlashAttention 2 takes them)."""
+    if alibi_slopes is None:
+        return
+    b, _, h, _ = q.shape
+    if alibi_slopes.dtype.name != "float32":
+        raise TypeError(f"alibi_slopes: dtype must be float32, got {alibi_slopes.dtype.name}")
+    if alibi_slopes.ndim not in (1, 2) or tuple(alibi_slopes.shape) not in ((h,), (b, h)):
+        raise ValueError(f"alibi_slopes shape {tuple(alibi_slopes.shape)} must be (nheads,) "
+                         f"= ({h},) or (batch, nheads) = ({b}, {h})")
+    _check_last_dim_contiguous({"alibi_slopes": alibi_slopes})
+    _check_devices({"q": q, "alibi_slopes": alibi_slopes})
+
+
 def _is_cupy(a):
     return type(a).__module__.split(".")[0] == "cupy"
 

@@ -6,8 +6,8 @@ import numpy as np
 from . import _arrays, _config, _spec, _validate
 
 
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=None,
-                    return_lse=False):
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, block_mask=None, return_lse=False):
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
     Parameters
@@ -34,13 +34,38 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
         A row that sees no key gets output 0 and lse ``-inf``.
     softmax_scale : float, optional
         Defaults to ``headdim ** -0.5``.
+    window_size : (int, int)
+        ``(left, right)``, local (sliding-window) attention as in FlashAttention 2, aligned
+        bottom-right like ``causal``: query ``i`` sees keys ``j`` with ``i + seqlen_k -
+        seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; -1 leaves that side
+        unbounded (the default ``(-1, -1)`` is no window). With ``causal`` the right side is
+        0. Not yet with ``block_mask`` (ValueError)::
+
+            seqlen_q=4, seqlen_k=6,     window_size=(2, 0)
+            window_size=(1, 1):         (or (2, -1) with causal):
+              0 1 1 1 0 0                 1 1 1 0 0 0
+              0 0 1 1 1 0                 0 1 1 1 0 0
+              0 0 0 1 1 1                 0 0 1 1 1 0
+              0 0 0 0 1 1                 0 0 0 1 1 1
+
+    softcap : float
+        > 0: each score ``s = q.k * softmax_scale`` becomes ``softcap * tanh(s / softcap)``
+        (Gemma 2, Grok), so that scores stay within ``(-softcap, softcap)``; 0 (the
+        default) leaves them as they are.
+    alibi_slopes : array, optional
+        float32, (nheads,) or (batch, nheads), of q's kind and device. ALiBi: the bias
+        ``-alibi_slopes[b, h] * |i + seqlen_k - seqlen_q - j|`` is added to the (capped)
+        score of query ``i`` and key ``j``. Order of the score's steps, as in FlashAttention
+        2: ``q.k * softmax_scale``, softcap, ALiBi bias, then the masks (causal, window,
+        block mask) and the softmax.
     block_mask : BlockMask, optional
         Block-sparse attention: only the kept blocks are visited (masked-out blocks cost no
         memory traffic and no math). The result equals dense attention with the element mask
         ``block_mask.to_dense()`` (and the causal mask if ``causal``); see ``cupyflash.masks``.
     return_lse : bool
-        Also return ``lse = log(sum_j exp(s_ij))`` (natural log), (batch, nheads, seqlen_q),
-        float32 (float64 for float64 inputs), which the backward pass needs.
+        Also return ``lse = log(sum_j exp(s_ij))`` (natural log, ``s_ij`` the final scores,
+        bias included), (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
+        which the backward pass needs.
 
     Returns
     -------
@@ -50,11 +75,13 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
     -----
     NaN and infinity follow the arithmetic, on every path: a NaN in query row ``i`` makes row
     ``i`` of out and lse NaN and changes no other row; a NaN, or a +inf score, from key ``j``
-    makes NaN exactly the rows that see key ``j`` (masks and ``causal`` decide which); a key
-    whose score is -inf gets weight 0, and a row left with no key of nonzero weight gets 0
-    and lse ``-inf``. Masks never create NaN. Non-finite values in ``v`` reach the rows that
-    see them, and may also reach rows of the same tile that do not (``0 * NaN`` in the
-    matrix product).
+    makes NaN exactly the rows that see key ``j`` (masks, ``causal`` and ``window_size``
+    decide which); a key whose score is -inf gets weight 0, and a row left with no key of
+    nonzero weight gets 0 and lse ``-inf``. Masks never create NaN. ``softcap`` maps a
+    score of +-inf to +-softcap (``tanh``): under it an infinite score is an ordinary one,
+    and only NaN spreads. Non-finite values in
+    ``v`` reach the rows that see them, and may also reach rows of the same tile that do not
+    (``0 * NaN`` in the matrix product).
 
     Arrays of other frameworks are read in place through DLPack and the results are handed
     back the same way, without copies. The kernels run on the inputs' GPU and are queued on
@@ -66,22 +93,23 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
     """
     causal = _validate.check_flag("causal", causal)
     return_lse = _validate.check_flag("return_lse", return_lse)
-    (q, k, v), kind, xp = _arrays.as_backend((q, k, v), ("q", "k", "v"))
+    window_size = _validate.check_window_size(window_size, block_mask)
+    (q, k, v), alibi_slopes, kind, xp = _as_backend((q, k, v), ("q", "k", "v"), alibi_slopes)
     _validate.check_forward(q, k, v, softmax_scale)
-    causal = _check_mask(block_mask, q, k, causal)
-    scale = _scale(softmax_scale, q.shape[-1])
-    spec = _spec.CallSpec.of(q, causal=causal, block_mask=block_mask)
+    spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                             block_mask)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
-            out, lse = _numpy_backend.forward(q, k, v, scale, spec, block_mask)
+            out, lse = _numpy_backend.forward(q, k, v, scale, spec, block_mask, alibi_slopes)
         else:
-            out, lse = _forward_gpu(q, k, v, scale, spec, block_mask, None)
+            out, lse = _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes)
         out = _arrays.to_caller(out, kind)
         return (out, _arrays.to_caller(lse, kind)) if return_lse else out
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              block_mask=None, deterministic=False):
     """Gradients of ``flash_attention`` with respect to q, k and v.
 
@@ -89,9 +117,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     ----------
     dout : array like ``out``, the gradient of the loss with respect to ``out``.
     q, k, v, out, lse : the forward's inputs, output and lse (``return_lse=True``).
-    causal, softmax_scale, block_mask
+    causal, softmax_scale, window_size, softcap, alibi_slopes, block_mask
         Exactly as given to the forward that made ``out`` and ``lse``. Nothing records
         them there, so they cannot be checked: other values give wrong gradients, silently.
+        The gradient goes through the softcap (``1 - tanh(s / softcap)**2``); the ALiBi
+        slopes are constants (no gradient).
     deterministic : bool
         Compute dq in its own query-block-parallel pass instead of adding it up with
         atomics, so that repeated calls give bit-identical dq (a little slower).
@@ -103,29 +133,46 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     """
     causal = _validate.check_flag("causal", causal)
     deterministic = _validate.check_flag("deterministic", deterministic)
+    window_size = _validate.check_window_size(window_size, block_mask)
     names = ("dout", "q", "k", "v", "out", "lse")
-    arrays, kind, xp = _arrays.as_backend((dout, q, k, v, out, lse), names)
+    arrays, alibi_slopes, kind, xp = _as_backend((dout, q, k, v, out, lse), names,
+                                                 alibi_slopes)
     dout, q, k, v, out, lse = arrays
     _validate.check_backward(dout, q, k, v, out, lse, softmax_scale)
-    causal = _check_mask(block_mask, q, k, causal)
-    scale = _scale(softmax_scale, q.shape[-1])
-    spec = _spec.CallSpec.of(q, causal=causal, block_mask=block_mask)
+    spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                             block_mask)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
-            grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, spec, block_mask)
+            grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, spec, block_mask,
+                                            alibi_slopes)
         else:
-            grads = _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, None,
-                                  deterministic)
+            grads = _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask,
+                                  alibi_slopes, deterministic)
         return tuple(_arrays.to_caller(g, kind) for g in grads)
 
 
-def _check_mask(block_mask, q, k, causal):
-    """Validate the mask against the call; return the effective causal flag."""
-    if block_mask is None:
-        return causal
-    _validate.check_block_mask(block_mask, q, k)
-    return causal or block_mask.causal
+def _as_backend(arrays, names, alibi_slopes):
+    """``_arrays.as_backend`` of the call's arrays, the slopes (when given) among them, so
+    that they convert, and mix or not, as q does. Returns (arrays, slopes, caller, xp)."""
+    if alibi_slopes is None:
+        converted, kind, xp = _arrays.as_backend(arrays, names)
+        return converted, None, kind, xp
+    converted, kind, xp = _arrays.as_backend((*arrays, alibi_slopes), (*names, "alibi_slopes"))
+    return converted[:-1], converted[-1], kind, xp
+
+
+def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, block_mask):
+    """Checks the rest of the call against q and k; returns its CallSpec and softmax scale."""
+    scale = _scale(softmax_scale, q.shape[-1])
+    softcap = _validate.check_softcap(softcap, q.dtype)
+    _validate.check_alibi_slopes(alibi_slopes, q)
+    if block_mask is not None:
+        _validate.check_block_mask(block_mask, q, k)
+        causal = causal or block_mask.causal
+    spec = _spec.CallSpec.of(q, causal=causal, window_size=window_size, softcap=softcap,
+                             alibi_slopes=alibi_slopes, block_mask=block_mask)
+    return spec, scale
 
 
 def _scale(softmax_scale, headdim):

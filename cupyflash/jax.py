@@ -11,7 +11,8 @@ Not supported (each raises TypeError naming the argument): ``jax.jit``, ``vmap``
 ``shard_map``, ``lax.scan`` bodies, ``checkpoint``/``remat`` or anything else that hands the
 function tracers instead of concrete arrays; the kernels are not registered with XLA. Also
 not supported: forward-mode (``jax.jvp``, ``jax.jacfwd``), higher-order gradients, and
-gradients with respect to ``softmax_scale``.
+gradients with respect to ``softmax_scale``, ``softcap`` and ``alibi_slopes`` (constants of
+the call).
 
 Streams: JAX has no user-visible stream. The kernels run on CuPy's current stream; JAX's
 pending writes of the inputs are ordered before them, and JAX's later reads of the results
@@ -31,7 +32,8 @@ from . import _validate, api
 __all__ = ["flash_attention"]
 
 
-def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None):
+def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None, *,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """``cupyflash.flash_attention`` for JAX arrays, differentiable with ``jax.grad``.
 
     Parameters
@@ -40,8 +42,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None):
     k, v : jax.Array, (batch, seqlen_k, nheads_k, headdim)
         float16, bfloat16, float32 (or float64 with ``jax_enable_x64``), on one GPU (or the
         CPU, where the NumPy path runs). Concrete arrays only: not under ``jax.jit``.
-    causal, softmax_scale, block_mask
+    causal, softmax_scale, block_mask, window_size, softcap, alibi_slopes
         As in ``cupyflash.flash_attention``; fixed for the call (not differentiated).
+        ``alibi_slopes`` a concrete float32 JAX array on q's device.
 
     Returns
     -------
@@ -54,13 +57,14 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None):
     >>> dq = jax.grad(lambda q: cfj.flash_attention(q, q, q).astype(jnp.float32).sum())(q)
     """
     causal = _validate.check_flag("causal", causal)
-    return _differentiable(causal, softmax_scale, block_mask)(q, k, v)
+    return _differentiable(dict(causal=causal, softmax_scale=softmax_scale,
+                                window_size=window_size, softcap=softcap,
+                                alibi_slopes=alibi_slopes, block_mask=block_mask))(q, k, v)
 
 
-def _differentiable(causal, softmax_scale, block_mask):
-    """A fresh custom_vjp function per call with the non-array arguments closed over (so a
-    BlockMask need not be hashable, as nondiff_argnums would require)."""
-    options = dict(causal=causal, softmax_scale=softmax_scale, block_mask=block_mask)
+def _differentiable(options):
+    """A fresh custom_vjp function per call with the options closed over (so a BlockMask
+    need not be hashable, as nondiff_argnums would require, and the slopes are constants)."""
 
     @jax.custom_vjp
     def attention(q, k, v):

@@ -9,7 +9,8 @@ strides with a contiguous last dimension), and the kernels run on PyTorch's curr
 of the tensors' device. CUDA tensors run the GPU kernels; CPU tensors run the NumPy path.
 
 Not supported: ``torch.compile`` traces around the call (a graph break: the function is not
-a registered custom op), double backward, and gradients with respect to ``softmax_scale``.
+a registered custom op), double backward, and gradients with respect to ``softmax_scale``,
+``softcap`` and ``alibi_slopes`` (constants of the call, as in FlashAttention 2).
 """
 try:
     import torch
@@ -23,14 +24,18 @@ __all__ = ["flash_attention", "FlashAttentionFunction"]
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """``apply(q, k, v, causal, softmax_scale, block_mask)`` -> out, differentiable in q, k, v."""
+    """``apply(q, k, v, causal, softmax_scale, block_mask, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None)`` -> out, differentiable in q, k, v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, block_mask):
-        out, lse = api.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                       block_mask=block_mask, return_lse=True)
+    def forward(ctx, q, k, v, causal, softmax_scale, block_mask, window_size=(-1, -1),
+                softcap=0.0, alibi_slopes=None):
+        options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                       softcap=softcap, alibi_slopes=alibi_slopes, block_mask=block_mask)
+        out, lse = api.flash_attention(q, k, v, return_lse=True, **options)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.block_mask = causal, softmax_scale, block_mask
+        # The slopes are an input that gets no gradient: kept as is, like the other options.
+        ctx.options = options
         return out
 
     @staticmethod
@@ -41,13 +46,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         # kernels read any strides but need the last dimension contiguous.
         if dout.shape[-1] > 1 and dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = api.flash_attention_backward(
-            dout, q, k, v, out, lse, causal=ctx.causal, softmax_scale=ctx.softmax_scale,
-            block_mask=ctx.block_mask)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = api.flash_attention_backward(dout, q, k, v, out, lse, **ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=None):
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, block_mask=None):
     """``cupyflash.flash_attention`` for PyTorch tensors, with autograd.
 
     Parameters
@@ -58,9 +62,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
         the NumPy path runs). ``nheads % nheads_k == 0`` (GQA/MQA). Note the layout:
         ``torch.nn.functional.scaled_dot_product_attention`` takes (batch, nheads, seqlen,
         headdim); pass ``x.transpose(1, 2)`` of such tensors (read in place, no copy).
-    causal, softmax_scale, block_mask
-        As in ``cupyflash.flash_attention`` (causal is aligned bottom-right when
-        ``seqlen_q != seqlen_k``).
+    causal, softmax_scale, window_size, softcap, alibi_slopes, block_mask
+        As in ``cupyflash.flash_attention`` (causal and the window are aligned bottom-right
+        when ``seqlen_q != seqlen_k``); ``alibi_slopes`` a float32 tensor on q's device.
 
     Returns
     -------
@@ -76,4 +80,5 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, block_mask=Non
     >>> out.float().square().sum().backward()
     """
     return FlashAttentionFunction.apply(q, k, v, _validate.check_flag("causal", causal),
-                                        softmax_scale, block_mask)
+                                        softmax_scale, block_mask, window_size, softcap,
+                                        alibi_slopes)

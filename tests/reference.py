@@ -133,84 +133,122 @@ def _softmax(s, xp):
     return p, lse[..., 0]
 
 
-def _scores(q, k, scale, causal, mask=None):
-    """(b, h, sq, sk) scores q k^T * scale, -inf where masked; k already repeated to h heads.
-    ``mask``: optional element mask, bool (h or 1, sq, sk), True where visible, ANDed with
-    causal."""
+def _unrounded(x):
+    return x
+
+
+def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None, rounded=_unrounded):
+    """(b, h, sq, sk) scores, k already repeated to h heads, in FlashAttention 2's order:
+    ``s = q k^T * scale``; with ``softcap``, ``softcap * tanh(s / softcap)``; with
+    ``alibi_slopes`` ((h,) or (b, h)), plus ``-slope * |i + sk - sq - j|``; then -inf where
+    masked: the band of ``causal`` and ``window_size`` (``_visible``) and ``mask`` (bool (h or
+    1, sq, sk), True where visible). Each stage's result goes through ``rounded``.
+
+    Returns ``(s, dcap)``: ``dcap = 1 - tanh(s / softcap)**2``, the derivative of the cap
+    (None without softcap)."""
     xp = get_xp(q)
-    s = _einsum("bihd,bjhd->bhij", q, k) * scale
-    if causal:
-        s = xp.where(_visible(xp, q.shape[1], k.shape[1], causal), s, -xp.inf)
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    s = rounded(_einsum("bihd,bjhd->bhij", q, k) * scale)
+    dcap = None
+    if softcap:
+        capped = xp.tanh(s / softcap)
+        dcap = rounded(1 - capped * capped)
+        s = rounded(softcap * capped)
+    if alibi_slopes is not None:
+        slopes = xp.asarray(alibi_slopes).reshape(-1, h)[:, :, None, None]     # (b or 1, h)
+        distance = xp.abs(xp.arange(sq)[:, None] + (sk - sq) - xp.arange(sk)[None, :])
+        s = rounded(s - slopes * distance)
+    if causal or tuple(window_size) != (-1, -1):
+        s = xp.where(_visible(xp, sq, sk, causal, window_size), s, -xp.inf)
     if mask is not None:
         s = xp.where(xp.asarray(mask, dtype=bool)[None], s, -xp.inf)
-    return s
+    return s, dcap
 
 
-def attention_ref(q, k, v, scale, causal, mask=None):
+def attention_ref(q, k, v, scale, causal, mask=None, **variant):
     """Full-matrix attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq).
     ``mask``: optional element mask, bool (h or 1, sq, sk), True where visible (e.g.
-    ``BlockMask.to_dense()``), ANDed with causal."""
+    ``BlockMask.to_dense()``), ANDed with causal. ``variant``: ``window_size``, ``softcap``,
+    ``alibi_slopes`` with ``flash_attention``'s meaning (see ``_scores``)."""
     xp = get_xp(q, k, v)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
     h = q.shape[2]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
-    p, lse = _softmax(_scores(q, k, scale, causal, mask), xp)
+    s, _ = _scores(q, k, scale, causal, mask, **_float64(variant, xp))
+    p, lse = _softmax(s, xp)
     out = _einsum("bhij,bjhd->bihd", p, v)
     return out, lse
 
 
-def attention_ref_backward(dout, q, k, v, scale, causal, mask=None):
+def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, **variant):
     """Gradients of ``attention_ref`` in float64, by the explicit formulas on the full matrix:
-    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K * scale,
-    dK = dS^T Q * scale; dk and dv summed over the query heads of each group."""
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), times the cap's derivative
+    with softcap (the ALiBi bias is a constant), dQ = dS K * scale, dK = dS^T Q * scale; dk
+    and dv summed over the query heads of each group."""
     xp = get_xp(dout, q, k, v)
     dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
     h, hk = q.shape[2], k.shape[2]
     k_h, v_h = _repeat_kv(k, h), _repeat_kv(v, h)
-    p, _ = _softmax(_scores(q, k_h, scale, causal, mask), xp)
+    s, dcap = _scores(q, k_h, scale, causal, mask, **_float64(variant, xp))
+    p, _ = _softmax(s, xp)
     dv = _einsum("bhij,bihd->bjhd", p, dout)
     dp = _einsum("bihd,bjhd->bhij", dout, v_h)
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    if dcap is not None:
+        ds = ds * dcap
     dq = _einsum("bhij,bjhd->bihd", ds, k_h) * scale
     dk = _einsum("bhij,bihd->bjhd", ds, q) * scale
     return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
 
 
+def _float64(variant, xp):
+    """The variant keywords with the ALiBi slopes in float64."""
+    slopes = variant.get("alibi_slopes")
+    if slopes is None:
+        return variant
+    return {**variant, "alibi_slopes": xp.asarray(slopes).astype(xp.float64)}
+
+
 # ---------------------------------------------------------------------------------------------
 # A naive implementation in a given dtype
 
-def _naive_probs(q, k, scale, causal, dtype, mask=None):
-    """Rounded operands and P = round(softmax(round(q k^T * scale))), each stage in float32."""
+def _naive_probs(q, k, scale, causal, dtype, mask=None, **variant):
+    """Rounded operands and P = round(softmax(S)), S the scores with each stage (q k^T *
+    scale, softcap, ALiBi bias) computed in float32 and rounded to ``dtype``; also the
+    rounded derivative of the cap (None without softcap)."""
     xp = get_xp(q, k)
     q, k = round_to(q, dtype), round_to(k, dtype)
     k_h = _repeat_kv(k, q.shape[2])
-    s = round_to(_scores(q, k_h, scale, causal, mask), dtype)
+    s, dcap = _scores(q, k_h, scale, causal, mask, **variant,
+                      rounded=lambda x: round_to(x, dtype))
     p, lse = _softmax(s, xp)
-    return q, k_h, round_to(p, dtype), round_to(lse, dtype)
+    return q, k_h, round_to(p, dtype), round_to(lse, dtype), dcap
 
 
-def attention_naive(q, k, v, scale, causal, dtype, mask=None):
+def attention_naive(q, k, v, scale, causal, dtype, mask=None, **variant):
     """Standard attention as a naive ``dtype`` implementation computes it (S, P and O each
     rounded to ``dtype``). Returns (out, lse) as float32 (float64 for "float64")."""
-    _, _, p, lse = _naive_probs(q, k, scale, causal, dtype, mask)
-    xp = get_xp(q)
+    _, _, p, lse, _ = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
     out = round_to(_einsum("bhij,bjhd->bihd", p, v_h), dtype)
     return out, lse
 
 
-def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None):
+def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None, **variant):
     """Gradients as a naive ``dtype`` implementation computes them: P recomputed as in
-    ``attention_naive``, then dV, dP, dS, dQ and dK each computed in float32 from rounded
-    operands and rounded to ``dtype``. Returns (dq, dk, dv)."""
-    xp = get_xp(dout, q, k, v)
+    ``attention_naive``, then dV, dP, dS (through the cap), dQ and dK each computed in
+    float32 from rounded operands and rounded to ``dtype``. Returns (dq, dk, dv)."""
     hk = k.shape[2]
-    q, k_h, p, _ = _naive_probs(q, k, scale, causal, dtype, mask)
+    q, k_h, p, _, dcap = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
     dout = round_to(dout, dtype)
     dv = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", p, dout), hk), dtype)
     dp = round_to(_einsum("bihd,bjhd->bhij", dout, v_h), dtype)
     ds = round_to(p * (dp - (p * dp).sum(axis=-1, keepdims=True)), dtype)
+    if dcap is not None:
+        ds = round_to(ds * dcap, dtype)
     dq = round_to(_einsum("bhij,bjhd->bihd", ds, k_h) * scale, dtype)
     dk = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", ds, q) * scale, hk), dtype)
     return dq, dk, dv

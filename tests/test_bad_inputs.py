@@ -115,6 +115,55 @@ API = [
     Bad("block_mask-heads", lambda a: fwd(a, block_mask=cf.BlockMask.from_dense(
         np.ones((3, 1, 1), bool), 64, seqlen_q=SHAPE_Q[1], seqlen_k=SHAPE_KV[1])),
         ValueError, "block_mask"),
+    # flash_attention: window_size, softcap, alibi_slopes
+    Bad("window-int", lambda a: fwd(a, window_size=8), TypeError, "window_size"),
+    Bad("window-none", lambda a: fwd(a, window_size=None), TypeError, "window_size"),
+    Bad("window-array", lambda a: fwd(a, window_size=np.array([4, 4])), TypeError,
+        "window_size"),
+    Bad("window-one-entry", lambda a: fwd(a, window_size=(4,)), ValueError, "window_size"),
+    Bad("window-three-entries", lambda a: fwd(a, window_size=(4, 4, 4)), ValueError,
+        "window_size"),
+    Bad("window-float", lambda a: fwd(a, window_size=(4.0, 0)), TypeError, "window_size"),
+    Bad("window-bool", lambda a: fwd(a, window_size=(True, 0)), TypeError, "window_size"),
+    Bad("window-str", lambda a: fwd(a, window_size=("4", 0)), TypeError, "window_size"),
+    Bad("window-left-minus-2", lambda a: fwd(a, window_size=(-2, 0)), ValueError,
+        "window_size"),
+    Bad("window-right-minus-5", lambda a: fwd(a, window_size=(0, np.int64(-5))), ValueError,
+        "window_size"),
+    Bad("window-2**31", lambda a: fwd(a, window_size=(2**31, 0)), ValueError, "window_size"),
+    Bad("window-with-block_mask", lambda a: fwd(a, window_size=(8, 0), block_mask=a.mask()),
+        ValueError, "window_size"),
+    Bad("block_mask-with-window", lambda a: fwd(a, window_size=(-1, 8), block_mask=a.mask()),
+        ValueError, "block_mask"),
+    Bad("softcap-negative", lambda a: fwd(a, softcap=-1.0), ValueError, "softcap"),
+    Bad("softcap-nan", lambda a: fwd(a, softcap=float("nan")), ValueError, "softcap"),
+    Bad("softcap-inf", lambda a: fwd(a, softcap=float("inf")), ValueError, "softcap"),
+    Bad("softcap-none", lambda a: fwd(a, softcap=None), TypeError, "softcap"),
+    Bad("softcap-str", lambda a: fwd(a, softcap="30"), TypeError, "softcap"),
+    Bad("softcap-bool", lambda a: fwd(a, softcap=True), TypeError, "softcap"),
+    Bad("softcap-array", lambda a: fwd(a, softcap=np.array([30.0])), TypeError, "softcap"),
+    Bad("softcap-overflows-float32", lambda a: fwd(a, softcap=3e38), ValueError, "softcap"),
+    Bad("softcap-underflows-float32", lambda a: fwd(a, softcap=1e-40), ValueError, "softcap"),
+    Bad("alibi-list", lambda a: fwd(a, alibi_slopes=[0.5] * SHAPE_Q[2]), TypeError,
+        "alibi_slopes"),
+    Bad("alibi-float64", lambda a: fwd(a, alibi_slopes=a.xp.ones(SHAPE_Q[2], np.float64)),
+        TypeError, "alibi_slopes"),
+    Bad("alibi-float16", lambda a: fwd(a, alibi_slopes=a.xp.ones(SHAPE_Q[2], np.float16)),
+        TypeError, "alibi_slopes"),
+    Bad("alibi-int32", lambda a: fwd(a, alibi_slopes=a.xp.ones(SHAPE_Q[2], np.int32)),
+        TypeError, "alibi_slopes"),
+    Bad("alibi-nheads_k", lambda a: fwd(a, alibi_slopes=a.xp.ones(SHAPE_KV[2], np.float32)),
+        ValueError, "alibi_slopes"),
+    Bad("alibi-0d", lambda a: fwd(a, alibi_slopes=a.xp.ones((), np.float32)), ValueError,
+        "alibi_slopes"),
+    Bad("alibi-3d", lambda a: fwd(a, alibi_slopes=a.xp.ones((1,) + SHAPE_Q[::2], np.float32)),
+        ValueError, "alibi_slopes"),
+    Bad("alibi-batch", lambda a: fwd(a, alibi_slopes=a.xp.ones(
+        (SHAPE_Q[0] + 1, SHAPE_Q[2]), np.float32)), ValueError, "alibi_slopes"),
+    Bad("alibi-transposed", lambda a: fwd(a, alibi_slopes=a.xp.ones(
+        (SHAPE_Q[2], SHAPE_Q[0]), np.float32)), ValueError, "alibi_slopes"),
+    Bad("alibi-strided", lambda a: fwd(a, alibi_slopes=a.xp.ones(
+        2 * SHAPE_Q[2], np.float32)[::2]), ValueError, "alibi_slopes"),
     # flash_attention_backward
     Bad("bwd-dout-dtype", lambda a: cf.flash_attention_backward(
         a.dout.astype(np.float64), a.q, a.k, a.v, a.out, a.lse), TypeError, "dout"),
@@ -142,6 +191,14 @@ API = [
     Bad("bwd-scale-negative", lambda a: a.bwd(softmax_scale=-0.5), ValueError, "softmax_scale"),
     Bad("bwd-block_mask-seqlen", lambda a: a.bwd(block_mask=a.mask(seqlen_q=SHAPE_Q[1] - 1)),
         ValueError, "block_mask"),
+    Bad("bwd-window-float", lambda a: a.bwd(window_size=(0.5, 0)), TypeError, "window_size"),
+    Bad("bwd-window-with-block_mask", lambda a: a.bwd(window_size=(8, 8), block_mask=a.mask()),
+        ValueError, "window_size"),
+    Bad("bwd-softcap-negative", lambda a: a.bwd(softcap=-30.0), ValueError, "softcap"),
+    Bad("bwd-alibi-float64", lambda a: a.bwd(alibi_slopes=a.xp.ones(SHAPE_Q[2], np.float64)),
+        TypeError, "alibi_slopes"),
+    Bad("bwd-alibi-shape", lambda a: a.bwd(alibi_slopes=a.xp.ones(3, np.float32)), ValueError,
+        "alibi_slopes"),
     # BlockMask.from_dense
     Bad("from_dense-int-grid", lambda a: cf.BlockMask.from_dense(
         grid(dtype=np.int32), 64, seqlen_q=64, seqlen_k=64), TypeError, "block_mask_bool"),
@@ -220,6 +277,8 @@ MIXED = [
         "k"),
     Bad("mixed-lse-host", lambda a: cf.flash_attention_backward(
         a.dout, a.q, a.k, a.v, a.out, a.xp.asnumpy(a.lse)), TypeError, "lse"),
+    Bad("mixed-alibi-host", lambda a: fwd(a, alibi_slopes=np.ones(SHAPE_Q[2], np.float32)),
+        TypeError, "alibi_slopes"),
 ]
 
 
