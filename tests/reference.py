@@ -89,7 +89,7 @@ def _einsum(spec, a, b):
 # ---------------------------------------------------------------------------------------------
 # The float64 reference
 
-def _visible(xp, seqlen_q, seqlen_k, causal, window_size=(-1, -1)):
+def visible(xp, seqlen_q, seqlen_k, causal, window_size=(-1, -1)):
     """(seqlen_q, seqlen_k) bool, True where query i sees key j, from the documented rule
     (written here apart from cupyflash._spec on purpose): with the offset ``o = j - (i +
     seqlen_k - seqlen_q)`` of key j from query i's bottom-right-aligned diagonal, j is seen iff
@@ -142,7 +142,7 @@ def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
     """(b, h, sq, sk) scores, k already repeated to h heads, in FlashAttention 2's order:
     ``s = q k^T * scale``; with ``softcap``, ``softcap * tanh(s / softcap)``; with
     ``alibi_slopes`` ((h,) or (b, h)), plus ``-slope * |i + sk - sq - j|``; then -inf where
-    masked: the band of ``causal`` and ``window_size`` (``_visible``) and ``mask`` (bool (h or
+    masked: the band of ``causal`` and ``window_size`` (``visible``) and ``mask`` (bool (h or
     1, sq, sk), True where visible). Each stage's result goes through ``rounded``.
 
     Returns ``(s, dcap)``: ``dcap = 1 - tanh(s / softcap)**2``, the derivative of the cap
@@ -161,7 +161,7 @@ def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
         distance = xp.abs(xp.arange(sq)[:, None] + (sk - sq) - xp.arange(sk)[None, :])
         s = rounded(s - slopes * distance)
     if causal or tuple(window_size) != (-1, -1):
-        s = xp.where(_visible(xp, sq, sk, causal, window_size), s, -xp.inf)
+        s = xp.where(visible(xp, sq, sk, causal, window_size), s, -xp.inf)
     if mask is not None:
         s = xp.where(xp.asarray(mask, dtype=bool)[None], s, -xp.inf)
     return s, dcap

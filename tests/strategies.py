@@ -1,9 +1,10 @@
 """Hypothesis strategies for fuzzing cupyflash, built around one frozen description of a call.
 
 A ``Case`` holds everything a call and its check need (dtype, shape, causal, softmax_scale,
-memory layout, block mask, deterministic flag and the seed of the random inputs) as plain
-values, so that its repr is a complete, runnable reproducer: ``Case(...).inputs(np)`` gives the
-same arrays every time, ``Case(...).block_mask()`` the same mask.
+window_size, softcap, ALiBi, memory layout, block mask, deterministic flag and the seed of the
+random inputs) as plain values, so that its repr is a complete, runnable reproducer:
+``Case(...).inputs(np)`` gives the same arrays every time, ``Case(...).block_mask()`` the same
+mask, ``Case(...).variant(np)`` the same variant keywords (ALiBi slopes included).
 
 Strategies are small pieces that a test composes::
 
@@ -13,10 +14,11 @@ Strategies are small pieces that a test composes::
           mask=block_masks,                         #   they depend on the drawn shape
           deterministic=st.just(True))
 
-A new call feature (an element window, softcap, ALiBi, dropout, ...) becomes one more field of
-``Case`` with a default that turns it off, one more keyword of ``cases`` whose default draws
-that value, and whatever the feature needs in ``inputs``/``block_mask``; existing tests keep
-drawing the same cases.
+A new call feature (dropout, ...) becomes one more field of ``Case`` with a default that turns
+it off, one more keyword of ``cases`` whose default draws that value, and whatever the feature
+needs in ``inputs``/``block_mask``/``variant``; existing tests keep drawing the same cases
+(``window_size``, ``softcap`` and ``alibi`` came in this way: ``windows``, ``softcaps``,
+``alibis``).
 
 Helpers shared by the fuzz tests live here too: ``Case.visibility`` (which query rows and keys
 see nothing), ``assert_zero_where_unseen`` (exact zeros there), the settings profiles and the
@@ -35,9 +37,9 @@ import cupyflash as cf
 from cupyflash import masks
 
 try:
-    from reference import get_xp, np_dtype, random_array
+    from reference import get_xp, np_dtype, random_array, visible
 except ImportError:
-    from tests.reference import get_xp, np_dtype, random_array
+    from tests.reference import get_xp, np_dtype, random_array, visible
 
 # The keys gpu_checks.DTYPES uses, and the dtype each stands for.
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
@@ -157,6 +159,9 @@ class Case:
     d: int
     causal: bool = False
     softmax_scale: Optional[float] = None
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None     # None, "heads" ((nheads,) slopes) or "batch" ((batch, nheads))
     layout: Layout = Layout()
     mask: Optional[MaskSpec] = None
     deterministic: bool = False
@@ -173,6 +178,21 @@ class Case:
 
     def block_mask(self):
         return None if self.mask is None else self.mask.build(self.sq, self.sk)
+
+    def alibi_slopes(self, xp):
+        """float32 slopes in [1/256, 1] (the range of ALiBi's geometric ones), drawn from
+        the case's seed, or None."""
+        if self.alibi is None:
+            return None
+        shape = (self.nheads,) if self.alibi == "heads" else (self.batch, self.nheads)
+        host = 2.0 ** -np.random.default_rng(self.seed + 4).uniform(0, 8, shape)
+        return xp.asarray(host.astype(np.float32))
+
+    def variant(self, xp):
+        """The keywords ``window_size``, ``softcap`` and ``alibi_slopes`` of the call (and of
+        tests/reference.py's functions), the slopes as ``xp`` arrays."""
+        return dict(window_size=self.window_size, softcap=self.softcap,
+                    alibi_slopes=self.alibi_slopes(xp))
 
     def inputs(self, xp):
         """q, k, v and dout of this case (NumPy or CuPy), laid out as ``self.layout`` says,
@@ -210,14 +230,15 @@ class Case:
     def visibility(self, elem, xp=np):
         """Which key each query row sees, bool (heads, seqlen_q, seqlen_k) with heads 1 or
         nheads: ``elem`` (the block mask's ``to_dense()`` as an ``xp`` array, or None) ANDed
-        with the call's causal rule; None when every row sees every key."""
-        if elem is None and not self.causal:
+        with the call's band (causal and window_size, tests/reference.py's ``visible``);
+        None when every row sees every key."""
+        banded = self.causal or self.window_size != (-1, -1)
+        if elem is None and not banded:
             return None
-        visible = xp.ones((1, self.sq, self.sk), bool) if elem is None else elem
-        if self.causal:
-            rows = xp.arange(self.sq)[:, None]
-            visible = visible & (xp.arange(self.sk)[None, :] <= rows + (self.sk - self.sq))
-        return visible
+        seen = xp.ones((1, self.sq, self.sk), bool) if elem is None else elem
+        if banded:
+            seen = seen & visible(xp, self.sq, self.sk, self.causal, self.window_size)
+        return seen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,6 +327,34 @@ def layouts(draw, shape, kinds=LAYOUT_KINDS):
     return Layout(kind, pad)
 
 
+def no_window(shape):
+    return st.just((-1, -1))
+
+
+@st.composite
+def windows(draw, shape):
+    """``window_size`` for this shape: each side -1 (unbounded), small (0..8: tiles crossed
+    by both edges, rows that see no key) or anything up to seqlen_q + seqlen_k (past the
+    sequence ends, which is no bound)."""
+    side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, shape.sq + shape.sk))
+    return (draw(side), draw(side))
+
+
+def maybe_windows(shape):
+    """No window half the time, else ``windows``."""
+    return st.one_of(no_window(shape), windows(shape))
+
+
+def softcaps():
+    """0 (off) half the time, else a cap from well inside the scores' range to past it."""
+    return st.one_of(st.just(0.0), st.floats(0.1, 50.0))
+
+
+def alibis():
+    """No ALiBi, slopes per head, or slopes per (batch, head)."""
+    return st.sampled_from((None, None, "heads", "batch"))
+
+
 def no_mask(shape):
     return st.none()
 
@@ -350,14 +399,18 @@ def input_seeds():
 
 @st.composite
 def cases(draw, *, dtype, shape, causal=st.booleans(), softmax_scale=softmax_scales,
-          layout=layouts, mask=no_mask, deterministic=st.booleans()):
-    """A Case. ``dtype``, ``shape``, ``causal`` and ``deterministic`` are strategies;
-    ``softmax_scale``, ``layout`` and ``mask`` are functions of the drawn Shape that return
-    strategies (``no_mask``, ``block_masks``, ``maybe_block_masks``; ``layouts``, or e.g.
-    ``lambda s: layouts(s, kinds=("contiguous",))``; ``softmax_scales``)."""
+          window=no_window, softcap=st.just(0.0), alibi=st.just(None), layout=layouts,
+          mask=no_mask, deterministic=st.booleans()):
+    """A Case. ``dtype``, ``shape``, ``causal``, ``softcap`` (``softcaps``), ``alibi``
+    (``alibis``) and ``deterministic`` are strategies; ``softmax_scale``, ``window``,
+    ``layout`` and ``mask`` are functions of the drawn Shape that return strategies
+    (``no_mask``, ``block_masks``, ``maybe_block_masks``; ``no_window``, ``windows``,
+    ``maybe_windows``, never with a mask: the call refuses the two together; ``layouts``, or
+    e.g. ``lambda s: layouts(s, kinds=("contiguous",))``; ``softmax_scales``)."""
     s = draw(shape)
     return Case(dtype=draw(dtype), **dataclasses.asdict(s), causal=draw(causal),
-                softmax_scale=draw(softmax_scale(s)), layout=draw(layout(s)),
+                softmax_scale=draw(softmax_scale(s)), window_size=draw(window(s)),
+                softcap=draw(softcap), alibi=draw(alibi), layout=draw(layout(s)),
                 mask=draw(mask(s)), deterministic=draw(deterministic), seed=draw(input_seeds()))
 
 

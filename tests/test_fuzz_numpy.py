@@ -13,9 +13,11 @@ attention (with ``block_mask.to_dense()`` as the element mask):
 
 Cases (tests/strategies.py) cover batch, seqlen_q and seqlen_k 1..300 (tile edges 63/64/65,
 127/128/129, 255/256/257, unequal both ways), GQA/MQA, head dims 1..256, float64 and float32,
-causal, packed and padded strided layouts, an explicit softmax_scale, block masks of every builder
-(block sizes 64/128 per side, shared or per head, with or without the mask's own causal) and
-the deterministic flag, under a work budget that keeps the NumPy loops fast.
+causal, window_size (dense only: the call refuses it with a block mask), softcap, ALiBi slopes
+per head or per (batch, head), packed and padded strided layouts, an explicit softmax_scale,
+block masks of every builder (block sizes 64/128 per side, shared or per head, with or without
+the mask's own causal) and the deterministic flag, under a work budget that keeps the NumPy
+loops fast.
 
 Budget: a fixed number of examples per family (DENSE_EXAMPLES = 300, SPARSE_EXAMPLES = 200),
 drawn derandomized so CI sees the same cases on every run. Measured on the 2-core CPU-only
@@ -43,14 +45,16 @@ import cupyflash as cf  # noqa: E402
 try:
     from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
                            attention_ref, attention_ref_backward)
-    from strategies import (FUZZ_PROFILE, ExampleCounts, assert_zero_where_unseen,  # noqa: E402
-                            block_masks, cases, layouts, shapes)
+    from strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
+                            assert_zero_where_unseen, block_masks, cases, layouts,
+                            maybe_windows, shapes, softcaps)
 except ImportError:
     from tests.reference import (assert_rule, attention_naive,  # noqa: E402
                                  attention_naive_backward, attention_ref,
                                  attention_ref_backward)
-    from tests.strategies import (FUZZ_PROFILE, ExampleCounts,  # noqa: E402
-                                  assert_zero_where_unseen, block_masks, cases, layouts, shapes)
+    from tests.strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
+                                  assert_zero_where_unseen, block_masks, cases, layouts,
+                                  maybe_windows, shapes, softcaps)
 
 F64_REL = 1e-12
 FWD_FACTOR, BWD_FACTOR = 2, 3
@@ -87,7 +91,9 @@ def check_case(case):
     """Forward and backward of ``case`` through the public API against the reference."""
     q, k, v, dout = case.inputs(np)
     mask = case.block_mask()
-    call = dict(causal=case.causal, softmax_scale=case.softmax_scale, block_mask=mask)
+    variant = case.variant(np)
+    call = dict(causal=case.causal, softmax_scale=case.softmax_scale, block_mask=mask,
+                **variant)
     # Underflow (exp of a very negative score) is ordinary; NaN, inf and division by zero
     # are not.
     with np.errstate(divide="raise", over="raise", invalid="raise"):
@@ -95,8 +101,8 @@ def check_case(case):
         grads = cf.flash_attention_backward(dout, q, k, v, out, lse,
                                             deterministic=case.deterministic, **call)
     elem = None if mask is None else mask.to_dense()
-    ref_out, ref_lse = attention_ref(q, k, v, case.scale, case.causal, elem)
-    ref_grads = attention_ref_backward(dout, q, k, v, case.scale, case.causal, elem)
+    ref_out, ref_lse = attention_ref(q, k, v, case.scale, case.causal, elem, **variant)
+    ref_grads = attention_ref_backward(dout, q, k, v, case.scale, case.causal, elem, **variant)
 
     assert type(out) is np.ndarray and out.shape == q.shape and out.dtype == q.dtype
     expected_lse = np.float64 if case.dtype == "fp64" else np.float32
@@ -116,10 +122,12 @@ def check_case(case):
             assert err < F64_REL, f"{name}: relative error {err:.2e} >= {F64_REL:.0e}"
         return
     dtype = case.np_dtype
-    naive_out, naive_lse = attention_naive(q, k, v, case.scale, case.causal, dtype, elem)
+    naive_out, naive_lse = attention_naive(q, k, v, case.scale, case.causal, dtype, elem,
+                                           **variant)
     assert_rule("out", out, ref_out, naive_out, FWD_FACTOR)
     assert_rule("lse", lse, ref_lse, naive_lse, FWD_FACTOR)
-    naive_grads = attention_naive_backward(dout, q, k, v, case.scale, case.causal, dtype, elem)
+    naive_grads = attention_naive_backward(dout, q, k, v, case.scale, case.causal, dtype, elem,
+                                           **variant)
     # One magnitude for the three gradients, as gpu_checks.check_backward does.
     magnitude = max(float(np.abs(r).max()) for r in ref_grads)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
@@ -135,12 +143,14 @@ def _checked(case, family):
 
 
 @settings(FUZZ_PROFILE, max_examples=DENSE_EXAMPLES)
-@given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), layout=layouts))
+@given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), window=maybe_windows,
+             softcap=softcaps(), alibi=alibis(), layout=layouts))
 def test_numpy_path_dense_matches_reference(case):
     _checked(case, "dense")
 
 
 @settings(FUZZ_PROFILE, max_examples=SPARSE_EXAMPLES)
-@given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), layout=layouts, mask=block_masks))
+@given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), softcap=softcaps(),
+             alibi=alibis(), layout=layouts, mask=block_masks))
 def test_numpy_path_block_sparse_matches_reference(case):
     _checked(case, "block_sparse")
