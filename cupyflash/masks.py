@@ -363,9 +363,10 @@ class BlockMask:
         some element of it needs masking: ``nt * tile_k + tile_k > end(mt * tile_q)`` or
         ``nt * tile_k < begin(last row of the tile)``, with ``(begin, end) =
         _spec.key_range(row, ...)`` of the band (``end(i) = min(seqlen_k, i + 1 + seqlen_k -
-        seqlen_q)`` if causal else ``seqlen_k``; ``begin`` is 0 under causal). Cached per (tile_q, tile_k, causal, xp, device, stream): device lists are
-        copied and allocated on the stream of the calls that read them, so CuPy's pool can
-        neither hand their memory out nor reuse it before those calls are done. The
+        seqlen_q)`` if causal else ``seqlen_k``; ``begin`` is 0 under causal). Cached per
+        (tile_q, tile_k, causal, xp, device, stream): device lists are copied and allocated
+        on the stream of the calls that read them, so CuPy's pool can neither hand their
+        memory out nor reuse it before those calls are done. The
         ``DEVICE_LISTS_KEPT`` most recently used device copies are kept (a caller that cycles
         through new streams would otherwise grow the cache without end); dropping one is safe
         for the same reason: its memory goes back to the pool on its own stream.

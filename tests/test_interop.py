@@ -742,8 +742,12 @@ def _readme_blocks():
     return {name: code for name, code in pattern.findall(text)}
 
 
+# The README's examples of the variant keywords run on NumPy arrays, like its NumPy example.
+HOST_EXAMPLES = ("numpy", "window_size", "softcap", "alibi_slopes")
+
+
 def _needs(framework):
-    if framework == "numpy":
+    if framework in HOST_EXAMPLES:
         return
     _cupy()
     if framework == "torch":
@@ -752,12 +756,12 @@ def _needs(framework):
         _jax_gpu()
 
 
-def test_readme_has_one_tested_example_per_framework():
-    assert sorted(_readme_blocks()) == ["cupy", "jax", "numpy", "torch"]
+def test_readme_has_one_tested_example_per_framework_and_variant():
+    assert sorted(_readme_blocks()) == sorted(("cupy", "jax", "torch") + HOST_EXAMPLES)
 
 
 @pytest.mark.parametrize("framework", [
-    "numpy",
+    *HOST_EXAMPLES,
     pytest.param("cupy", marks=pytest.mark.gpu),
     pytest.param("torch", marks=pytest.mark.gpu),
     pytest.param("jax", marks=pytest.mark.gpu),
