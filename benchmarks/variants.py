@@ -32,7 +32,7 @@ def compile_one(item):
     tree, filename, name = item
     use_tree(tree)
     try:
-        _compile.get_kernel(filename, name)
+        _compile.get_kernel(_compile.source(filename), name)
         return None
     except Exception as e:
         return f"{tree} {name}: {bench.error_text(e)[:2000]}"

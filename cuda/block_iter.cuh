@@ -1,17 +1,12 @@
 // Which blocks a tile visits, and which of them need element masking: the key blocks of a
 // query block (forward, dQ pass) and the query blocks of a key block (dK/dV pass).
-// Dense attention visits a contiguous range and tells masked blocks by position; a block-sparse
-// mask gives a list per tile (BlockList), its partial blocks first.
+// Dense attention visits a contiguous range [first, first + count) and tells masked blocks by
+// position: blocks inside the span that every row (key) of the tile sees in full are
+// mask-free, those on either side of it are not. A block-sparse mask gives a list per tile
+// (BlockList), its partial blocks first.
 #pragma once
 #include "params.cuh"
 #include "mask.cuh"
-
-// A (query block, key block) pair needs element masking when some key of the key block is
-// hidden from the first (most restricted) row of the query block, or lies past the end.
-template <bool Causal>
-__device__ __forceinline__ bool pair_needs_mask(int row0, int col0, int Bc, int seqlen_q, int seqlen_k) {
-    return col0 + Bc > key_end<Causal>(row0, seqlen_q, seqlen_k);
-}
 
 // Where a thread block works: its tile (query tile of the forward and dQ passes, key tile of
 // the dK/dV pass) and its head and batch.
@@ -36,32 +31,41 @@ __device__ __forceinline__ BlockCoord block_coord(const Params& p, int heads, Lo
 
 struct KeyBlocks {
     const int* idx;     // the sparse list, or null
+    int first;          // dense: the first key block
     int count;          // blocks to visit
     int n_partial;      // sparse: the first n_partial blocks need masking
-    int mask_free_end;  // dense: keys below this are visible to every row of the query block
+    int free_begin;     // dense: keys in [free_begin, free_end) are visible to every row of
+    int free_end;       // the query block
 
-    __device__ __forceinline__ int block(int it) const { return idx ? idx[it] : it; }
+    __device__ __forceinline__ int block(int it) const { return idx ? idx[it] : first + it; }
+    template <typename V>
     __device__ __forceinline__ bool needs_mask(int it, int Bc) const {
-        return idx ? it < n_partial : (it + 1) * Bc > mask_free_end;
+        if (idx) return it < n_partial;
+        const int j = block(it);
+        return (j + 1) * Bc > free_end || (V::Local && j * Bc < free_begin);
     }
 };
 
 // The key blocks of query tile `m_tile` (rows row0 .. row0+Br-1) of head h.
-template <bool Causal>
-__device__ __forceinline__ KeyBlocks key_blocks(const BlockList& bl, int h, int m_tile, int Br, int Bc,
-                                                int seqlen_q, int seqlen_k) {
+template <typename V, typename Params>
+__device__ __forceinline__ KeyBlocks key_blocks(const BlockList& bl, const Mask<V, Params>& mask, int h,
+                                                int m_tile, int Br, int Bc) {
     const int row0 = m_tile * Br;
+    const int row_last = min(row0 + Br, mask.seqlen_q()) - 1;
     KeyBlocks kb;
-    kb.mask_free_end = key_end<Causal>(row0, seqlen_q, seqlen_k);
+    kb.free_begin = mask.key_begin(row_last);
+    kb.free_end = mask.key_end(row0);
     if (bl.idx) {
         const index_t r = block_row(bl, h, m_tile);
         kb.idx = bl.idx + r * bl.width;
+        kb.first = 0;
         kb.count = bl.count[r];
         kb.n_partial = bl.partial[r];
     } else {
-        const int end = key_end<Causal>(min(row0 + Br, seqlen_q) - 1, seqlen_q, seqlen_k);
+        const int begin = mask.key_begin(row0), end = mask.key_end(row_last);
         kb.idx = nullptr;
-        kb.count = end > 0 ? (end + Bc - 1) / Bc : 0;
+        kb.first = begin / Bc;
+        kb.count = end > begin ? (end + Bc - 1) / Bc - kb.first : 0;
         kb.n_partial = 0;
     }
     return kb;
@@ -74,16 +78,22 @@ struct QueryBlocks {
     int first;          // dense: the first query block that sees the key block
 
     __device__ __forceinline__ int block(int it) const { return idx ? idx[it] : first + it; }
-    template <bool Causal>
-    __device__ __forceinline__ bool needs_mask(int it, int Br, int Bc, int col0, int seqlen_q, int seqlen_k) const {
-        return idx ? it < n_partial : pair_needs_mask<Causal>(block(it) * Br, col0, Bc, seqlen_q, seqlen_k);
+    // Some key of the block (keys col0 .. col0+Bc-1) is hidden from some row of query block
+    // `it` (rows row0 .. row0+Br-1): past the end of the band (or of the keys) for its first
+    // row, or before the start of the band for its last.
+    template <typename V, typename Params>
+    __device__ __forceinline__ bool needs_mask(int it, int row0, int Br, int Bc, int col0,
+                                               const Mask<V, Params>& mask) const {
+        if (idx) return it < n_partial;
+        return col0 + Bc > mask.key_end(row0) ||
+               (V::Local && col0 < mask.key_begin(min(row0 + Br, mask.seqlen_q()) - 1));
     }
 };
 
 // The query blocks that visit key tile `n_tile` (keys col0 .. col0+Bc-1) for query head h.
-template <bool Causal>
-__device__ __forceinline__ QueryBlocks query_blocks(const BlockList& bl, int h, int n_tile, int Br, int Bc,
-                                                    int seqlen_q, int seqlen_k) {
+template <typename V, typename Params>
+__device__ __forceinline__ QueryBlocks query_blocks(const BlockList& bl, const Mask<V, Params>& mask, int h,
+                                                    int n_tile, int Br, int Bc) {
     QueryBlocks qb;
     if (bl.idx) {
         const index_t r = block_row(bl, h, n_tile);
@@ -92,9 +102,16 @@ __device__ __forceinline__ QueryBlocks query_blocks(const BlockList& bl, int h, 
         qb.n_partial = bl.partial[r];
         qb.first = 0;
     } else {
+        const int col0 = n_tile * Bc;
+        const int begin = mask.query_begin(col0);
         qb.idx = nullptr;
-        qb.first = query_begin<Causal>(n_tile * Bc, seqlen_q, seqlen_k) / Br;
-        qb.count = (seqlen_q + Br - 1) / Br - qb.first;
+        qb.first = begin / Br;
+        if constexpr (V::Local) {
+            const int end = mask.query_end(min(col0 + Bc, mask.seqlen_k()) - 1);
+            qb.count = end > begin ? (end + Br - 1) / Br - qb.first : 0;
+        } else {
+            qb.count = (mask.seqlen_q() + Br - 1) / Br - qb.first;
+        }
         qb.n_partial = 0;
     }
     return qb;

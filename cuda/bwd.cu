@@ -9,12 +9,14 @@
 //      flash_bwd_dq_kernel: dQ in its own query-block-parallel pass, no atomics, so repeated
 //      runs give bit-identical dq (deterministic=True).
 #include "common.cuh"
+#include "seqinfo.cuh"
 #include "mask.cuh"
 #include "block_iter.cuh"
 
+// Row `row` of head h of a row statistic (lse, D, lse in log2 units).
 template <typename Acc>
-__device__ __forceinline__ Acc* stat_ptr(const BwdParams& p, void* base, int b, int h, int row) {
-    return static_cast<Acc*>(base) + (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + row;
+__device__ __forceinline__ Acc* stat_ptr(const void* base, const SeqInfo<BwdParams>& seq, int h, int row) {
+    return static_cast<Acc*>(const_cast<void*>(base)) + seq.stat(h, row);
 }
 
 // lse in log2 units for exp2(s * scale_log2 - lse2); a row that saw no key (lse = -inf) gets
@@ -37,18 +39,19 @@ __global__ void __launch_bounds__(PREPROCESS_WARPS * 32) bwd_preprocess_kernel(c
     typedef typename Tr::storage S;
     typedef typename Tr::acc Acc;
     const int row = blockIdx.x * PREPROCESS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int b = blockIdx.z, h = blockIdx.y;
-    if (row >= p.seqlen_q) return;
-    const S* o = row_ptr<const S>(p.o, b, h, row);
-    const S* dout = row_ptr<const S>(p.dout, b, h, row);
+    const SeqInfo<BwdParams> seq(p, blockIdx.z);
+    const int h = blockIdx.y;
+    if (row >= seq.seqlen_q()) return;
+    const S* o = seq.q_row<const S>(p.o, h, row);
+    const S* dout = seq.q_row<const S>(p.dout, h, row);
     Acc sum = 0;
     for (int c = lane; c < p.headdim; c += 32) sum += Tr::load(o + c) * Tr::load(dout + c);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
-        *stat_ptr<Acc>(p, p.dsum, b, h, row) = sum;
+        *stat_ptr<Acc>(p.dsum, seq, h, row) = sum;
         if constexpr (sizeof(S) == 2)
-            *stat_ptr<float>(p, p.lse_log2, b, h, row) = lse_log2(*stat_ptr<const float>(p, const_cast<void*>(p.lse), b, h, row));
+            *stat_ptr<float>(p.lse_log2, seq, h, row) = lse_log2(*stat_ptr<const float>(p.lse, seq, h, row));
     }
 }
 
@@ -71,9 +74,10 @@ __device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, int b, int h,
 template <typename Elem>
 __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p) {
     extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
-    const int b = blockIdx.z, h = blockIdx.y, row0 = blockIdx.x * 16;
+    const SeqInfo<BwdParams> seq(p, blockIdx.z);
+    const int h = blockIdx.y, row0 = blockIdx.x * 16;
     const int cols = p.dq_accum_cols, ld = cols + 1;
-    const float* src = dq_tile_lane(p, b, h, blockIdx.x, 0);
+    const float* src = dq_tile_lane(p, seq.b, h, blockIdx.x, 0);
     for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
         const int e = j / 32 % 4, lane = j % 32;
         const int r = lane / 4 + (e >> 1) * 8, c = j / DQ_TILE * 8 + lane % 4 * 2 + (e & 1);
@@ -83,8 +87,8 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     const float scale = static_cast<float>(p.scale);
     for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
         const int r = j / cols, c = j % cols;
-        if (row0 + r < p.seqlen_q && c < p.headdim)
-            ElemTraits<Elem>::store(row_ptr<u16>(p.dq, b, h, row0 + r) + c, strip[r * ld + c] * scale);
+        if (row0 + r < seq.seqlen_q() && c < p.headdim)
+            ElemTraits<Elem>::store(seq.q_row<u16>(p.dq, h, row0 + r) + c, strip[r * ld + c] * scale);
     }
 }
 
@@ -92,13 +96,13 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
 // sStats[Rows, 2 Rows) by cp.async, so that the loads land under the math; rows past the end
 // read 0, harmless since their dO rows are zero.
 template <int Rows, int Threads>
-__device__ __forceinline__ void load_row_stats(const BwdParams& p, float* sStats, int b, int h, int row0) {
+__device__ __forceinline__ void load_row_stats(const BwdParams& p, const SeqInfo<BwdParams>& seq, float* sStats, int h, int row0) {
     static_assert(2 * Rows <= Threads, "one value per thread");
     const int r = threadIdx.x % Rows, row = row0 + r;
-    const bool in = row < p.seqlen_q;
+    const bool in = row < seq.seqlen_q();
     if (threadIdx.x < 2 * Rows) {
-        const float* src = stat_ptr<float>(p, threadIdx.x < Rows ? p.lse_log2 : p.dsum,
-                                            b, h, in ? row : 0);
+        const float* src = stat_ptr<float>(threadIdx.x < Rows ? p.lse_log2 : p.dsum,
+                                            seq, h, in ? row : 0);
         cp_async_4(smem_addr(sStats + threadIdx.x), src, in ? 4 : 0);
     }
 }
@@ -203,7 +207,7 @@ __device__ __forceinline__ void rows_times_rows(float (&acc)[KM][QW / 8][4], u32
 // Stages: buffers of Q, dO, lse and D. With two, the next step's are fetched at the top of a
 // step and land under all of its math, and dQ (with its atomics) goes before dK/dV; with one,
 // the fetch waits for the dK/dV product and lands under the dQ product only.
-template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, int Stages, bool Causal, bool AtomicDQ>
+template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, int Stages, typename V, bool AtomicDQ>
 __global__ void __launch_bounds__(NWarps * 32)
 flash_bwd_dkdv_kernel(const BwdParams p) {
     constexpr int Threads = NWarps * 32;
@@ -232,9 +236,11 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     auto stats_of = [&](int buf) { return reinterpret_cast<float*>(stage0 + buf * STAGE + 2 * Br * LD * 2); };
 
     // Causal: the first key blocks are seen by the most queries.
-    const BlockCoord at = block_coord<Causal>(p, p.nheads_k, [](int i) { return i; });
+    const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
-    const int b = at.batch, hk = at.head, n_tile = at.tile;
+    const SeqInfo<BwdParams> seq(p, at.batch);
+    const Mask<V, BwdParams> mask(p);
+    const int hk = at.head, n_tile = at.tile;
     const int col0 = n_tile * Bc;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -246,15 +252,15 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const u32 sKa = smem_addr(sK), sVa = smem_addr(sV);
     const u32 sPta = smem_addr(sPt), sdSta = smem_addr(sdSt);
 
-    load_tile<Bc, HeadDim, Threads>(sK, row_ptr<const u16>(p.k, b, hk, col0), p.k.row_stride,
-                                    p.seqlen_k - col0, p.headdim, vec_ok);
-    load_tile<Bc, HeadDim, Threads>(sV, row_ptr<const u16>(p.v, b, hk, col0), p.v.row_stride,
-                                    p.seqlen_k - col0, p.headdim, vec_ok);
+    load_tile<Bc, HeadDim, Threads>(sK, seq.k_row<const u16>(p.k, hk, col0), p.k.row_stride,
+                                    seq.seqlen_k() - col0, p.headdim, vec_ok);
+    load_tile<Bc, HeadDim, Threads>(sV, seq.k_row<const u16>(p.v, hk, col0), p.v.row_stride,
+                                    seq.seqlen_k() - col0, p.headdim, vec_ok);
 
     // The steps: (query head of the group, query block) pairs, heads without blocks skipped.
     struct Step { int hq, it; QueryBlocks qb; };
     auto blocks_of = [&](int hq) {
-        return query_blocks<Causal>(p.q_blocks, hk * p.group + hq, n_tile, Br, Bc, p.seqlen_q, p.seqlen_k);
+        return query_blocks(p.q_blocks, mask, hk * p.group + hq, n_tile, Br, Bc);
     };
     auto settle = [&](Step s) {   // move past heads whose list is exhausted
         while (s.hq < p.group && s.it >= s.qb.count) {
@@ -268,11 +274,11 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const int h = hk * p.group + s.hq;
         const int m0 = s.qb.block(s.it) * Br;
         u16* sQ = sQ_of(buf);
-        load_tile<Br, HeadDim, Threads>(sQ, row_ptr<const u16>(p.q, b, h, m0), p.q.row_stride,
-                                        p.seqlen_q - m0, p.headdim, vec_ok);
-        load_tile<Br, HeadDim, Threads>(sQ + Br * LD, row_ptr<const u16>(p.dout, b, h, m0), p.dout.row_stride,
-                                        p.seqlen_q - m0, p.headdim, vec_ok);
-        load_row_stats<Br, Threads>(p, stats_of(buf), b, h, m0);
+        load_tile<Br, HeadDim, Threads>(sQ, seq.q_row<const u16>(p.q, h, m0), p.q.row_stride,
+                                        seq.seqlen_q() - m0, p.headdim, vec_ok);
+        load_tile<Br, HeadDim, Threads>(sQ + Br * LD, seq.q_row<const u16>(p.dout, h, m0), p.dout.row_stride,
+                                        seq.seqlen_q() - m0, p.headdim, vec_ok);
+        load_row_stats<Br, Threads>(p, seq, stats_of(buf), h, m0);
     };
     Step cur = settle(Step{0, 0, blocks_of(0)});
     if (cur.hq < p.group) prefetch(cur, 0);
@@ -294,10 +300,10 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     // the dP^T products (+5% at d=128 non-causal; causal, with NVRTC 13.5, +3 to +4% at d=64
     // and +0 to +1% at d=128). Causal single-buffered kernels stay fused: split, they spill at
     // the register limit (sm_80's d=128 tile, the deterministic d=64 one).
-    constexpr bool Fused = Causal && Stages == 1;
+    constexpr bool Fused = V::Band && (Stages == 1 || HeadDim <= 64);
     while (cur.hq < p.group) {
         const int m0 = cur.qb.block(cur.it) * Br;
-        const bool masked = cur.qb.template needs_mask<Causal>(cur.it, Br, Bc, col0, p.seqlen_q, p.seqlen_k);
+        const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
         const Step next = settle(Step{cur.hq, cur.it + 1, cur.qb});
         cp_async_wait<0>();
         __syncthreads();   // this step's Q, dO, lse, D have landed; every warp is done with the last step
@@ -306,7 +312,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             cp_async_commit();
         }
         const u32 sQa = smem_addr(sQ_of(buf)), sdOa = sQa + Br * LD * 2;
-        float* gdq = AtomicDQ ? dq_tile_lane(p, b, hk * p.group + cur.hq, (m0 + row_w) / 16, lane) : nullptr;
+        float* gdq = AtomicDQ ? dq_tile_lane(p, seq.b, hk * p.group + cur.hq, (m0 + row_w) / 16, lane) : nullptr;
         const float* sLse2 = stats_of(buf);
         const float* sD = sLse2 + Br;
 
@@ -315,23 +321,13 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         // d=64 +3-4%, d=128 +1-2%).
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
         rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, nullptr, dpt, sVa, sdOa, sD, key0, qw * QW, lane);
-        // Hidden keys. The causal test depends on the row, so it runs only in diagonal blocks,
-        // behind a block-uniform branch, setting S = -inf (exp2 then gives exactly 0): inline,
-        // it cost the causal pass 10%. The test for keys past seqlen_k is one compare per key
-        // and stays inline, where it leaves the exponentials free to overlap the products
-        // (behind a branch, before or after the dP^T products, the non-causal pass lost 3-4%).
-        if (Causal && masked) {
-#pragma unroll
-            for (int km = 0; km < KM; ++km)
-#pragma unroll
-                for (int nt = 0; nt < QW / 8; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qi = qw * QW + nt * 8 + 2 * t + (e & 1);
-                        const int key = col0 + key0 + km * 16 + g + (e >= 2 ? 8 : 0);
-                        if (key >= key_end<Causal>(m0 + qi, p.seqlen_q, p.seqlen_k)) st[km][nt][e] = neg_inf();
-                    }
-        }
+        // Hidden keys. The band test depends on the row, so it runs only in blocks the band
+        // cuts, behind a block-uniform branch, setting S = -inf (exp2 then gives exactly 0):
+        // inline, it cost the causal pass 10%. The test for keys past seqlen_k is one compare
+        // per key and stays inline, where it leaves the exponentials free to overlap the
+        // products (behind a branch, before or after the dP^T products, the non-causal pass
+        // lost 3-4%).
+        if (V::Band && masked) mask_scores<true>(st, mask, col0 + key0, m0 + qw * QW, lane);
 #pragma unroll
         for (int km = 0; km < KM; ++km)
 #pragma unroll
@@ -340,7 +336,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                 for (int e = 0; e < 4; ++e) {
                     const int key = col0 + key0 + km * 16 + g + (e >= 2 ? 8 : 0);
                     const float pv = fast_exp2(fmaf(st[km][nt][e], scale_log2, -sLse2[qw * QW + nt * 8 + 2 * t + (e & 1)]));
-                    st[km][nt][e] = !Causal && masked && key >= p.seqlen_k ? 0.f : pv;
+                    st[km][nt][e] = !V::Band && masked && key >= seq.seqlen_k() ? 0.f : pv;
                 }
         if constexpr (!Fused)
             rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, sD, dpt, 0, 0, nullptr, key0, qw * QW, lane);
@@ -421,16 +417,16 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         store_acc_pairs<Elem>(sV, LD, r, c, dv[km][i]);
     }
     __syncthreads();
-    store_tile<Bc, HeadDim, Threads>(sK, row_ptr<u16>(p.dk, b, hk, col0), p.dk.row_stride,
-                                     p.seqlen_k - col0, p.headdim, vec_ok);
-    store_tile<Bc, HeadDim, Threads>(sV, row_ptr<u16>(p.dv, b, hk, col0), p.dv.row_stride,
-                                     p.seqlen_k - col0, p.headdim, vec_ok);
+    store_tile<Bc, HeadDim, Threads>(sK, seq.k_row<u16>(p.dk, hk, col0), p.dk.row_stride,
+                                     seq.seqlen_k() - col0, p.headdim, vec_ok);
+    store_tile<Bc, HeadDim, Threads>(sV, seq.k_row<u16>(p.dv, hk, col0), p.dv.row_stride,
+                                     seq.seqlen_k() - col0, p.headdim, vec_ok);
 }
 
 // Deterministic dQ: one thread block per (query block, head, batch), warps own 16 query rows,
 // dQ stays in registers over the key blocks (the forward's iteration):
 //   S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
-template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, bool Causal>
+template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, typename V>
 __global__ void __launch_bounds__(NWarps * 32)
 flash_bwd_dq_kernel(const BwdParams p) {
     constexpr int Threads = NWarps * 32;
@@ -445,9 +441,11 @@ flash_bwd_dq_kernel(const BwdParams p) {
     u16* sV = sK + Bc * LD;
 
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;   // as in the forward
-    const BlockCoord at = block_coord<Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
+    const BlockCoord at = block_coord<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
     if (at.batch >= p.batch) return;
-    const int b = at.batch, h = at.head, hk = h / p.group;
+    const SeqInfo<BwdParams> seq(p, at.batch);
+    const Mask<V, BwdParams> mask(p);
+    const int h = at.head, hk = h / p.group;
     const int qblock = at.tile;
     const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -456,10 +454,10 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const float scale_log2 = p.scale_log2;
     const u32 sQa = smem_addr(sQ), sdOa = smem_addr(sdO), sKa = smem_addr(sK), sVa = smem_addr(sV);
 
-    load_tile<Br, HeadDim, Threads>(sQ, row_ptr<const u16>(p.q, b, h, row0), p.q.row_stride,
-                                    p.seqlen_q - row0, p.headdim, vec_ok);
-    load_tile<Br, HeadDim, Threads>(sdO, row_ptr<const u16>(p.dout, b, h, row0), p.dout.row_stride,
-                                    p.seqlen_q - row0, p.headdim, vec_ok);
+    load_tile<Br, HeadDim, Threads>(sQ, seq.q_row<const u16>(p.q, h, row0), p.q.row_stride,
+                                    seq.seqlen_q() - row0, p.headdim, vec_ok);
+    load_tile<Br, HeadDim, Threads>(sdO, seq.q_row<const u16>(p.dout, h, row0), p.dout.row_stride,
+                                    seq.seqlen_q() - row0, p.headdim, vec_ok);
     cp_async_commit();
 
     // Row statistics of the thread's two rows (g and g+8 of the warp's slice).
@@ -469,9 +467,9 @@ flash_bwd_dq_kernel(const BwdParams p) {
         const int row = row0 + warp * 16 + g + 8 * hf;
         lse2[hf] = __int_as_float(0x7f800000);   // rows past the end: probabilities 0
         dsum[hf] = 0.f;
-        if (row < p.seqlen_q) {
-            lse2[hf] = *stat_ptr<float>(p, p.lse_log2, b, h, row);
-            dsum[hf] = *stat_ptr<float>(p, p.dsum, b, h, row);
+        if (row < seq.seqlen_q()) {
+            lse2[hf] = *stat_ptr<float>(p.lse_log2, seq, h, row);
+            dsum[hf] = *stat_ptr<float>(p.dsum, seq, h, row);
         }
     }
 
@@ -481,14 +479,14 @@ flash_bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
 
-    const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, qblock, Br, Bc, p.seqlen_q, p.seqlen_k);
-    const u16* gK = row_ptr<const u16>(p.k, b, hk, 0);
-    const u16* gV = row_ptr<const u16>(p.v, b, hk, 0);
+    const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, qblock, Br, Bc);
+    const u16* gK = seq.k_row<const u16>(p.k, hk, 0);
+    const u16* gV = seq.k_row<const u16>(p.v, hk, 0);
     for (int it = 0; it < kb.count; ++it) {
         const int n0 = kb.block(it) * Bc;
         __syncthreads();   // every warp is done with the previous K and V
-        load_tile<Bc, HeadDim, Threads>(sK, gK + n0 * p.k.row_stride, p.k.row_stride, p.seqlen_k - n0, p.headdim, vec_ok);
-        load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride, p.seqlen_k - n0, p.headdim, vec_ok);
+        load_tile<Bc, HeadDim, Threads>(sK, gK + n0 * p.k.row_stride, p.k.row_stride, seq.seqlen_k() - n0, p.headdim, vec_ok);
+        load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride, seq.seqlen_k() - n0, p.headdim, vec_ok);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -517,7 +515,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
             }
         }
 
-        const bool masked = kb.needs_mask(it, Bc);
+        const bool masked = kb.needs_mask<V>(it, Bc);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -525,7 +523,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
                 const int hf = e >= 2;
                 const int row = row0 + warp * 16 + g + 8 * hf;
                 float pv = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[hf]));
-                if (masked && n0 + nt * 8 + 2 * t + (e & 1) >= key_end<Causal>(row, p.seqlen_q, p.seqlen_k)) pv = 0.f;
+                if (masked && mask.hidden(row, n0 + nt * 8 + 2 * t + (e & 1))) pv = 0.f;
                 s[nt][e] = pv * (dp[nt][e] - dsum[hf]);   // dS
             }
 
@@ -557,6 +555,6 @@ flash_bwd_dq_kernel(const BwdParams p) {
         store_acc_pairs<Elem>(sQ, LD, r, c, dq[i], scale);
     }
     __syncthreads();
-    store_tile<Br, HeadDim, Threads>(sQ, row_ptr<u16>(p.dq, b, h, row0), p.dq.row_stride,
-                                     p.seqlen_q - row0, p.headdim, vec_ok);
+    store_tile<Br, HeadDim, Threads>(sQ, seq.q_row<u16>(p.dq, h, row0), p.dq.row_stride,
+                                     seq.seqlen_q() - row0, p.headdim, vec_ok);
 }

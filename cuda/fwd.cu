@@ -8,6 +8,7 @@
 // the top of step j, under all of its math (one barrier per key block).
 #include "common.cuh"
 #include "softmax.cuh"
+#include "seqinfo.cuh"
 #include "mask.cuh"
 #include "block_iter.cuh"
 
@@ -26,7 +27,7 @@ __host__ __device__ constexpr int fwd_min_blocks() {
 #endif
 }
 
-template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, int Stages, bool Causal>
+template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, int Stages, typename V>
 __global__ void __launch_bounds__(NWarps * 32, (fwd_min_blocks<HeadDim, Stages>()))
 flash_fwd_kernel(const FwdParams p) {
     constexpr int Threads = NWarps * 32;
@@ -45,22 +46,24 @@ flash_fwd_kernel(const FwdParams p) {
 
     // Causal: the last query blocks see the most keys.
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;
-    const BlockCoord at = block_coord<Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
+    const BlockCoord at = block_coord<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
     if (at.batch >= p.batch) return;
-    const int b = at.batch, h = at.head, hk = h / p.group;
+    const SeqInfo<FwdParams> seq(p, at.batch);
+    const Mask<V, FwdParams> mask(p);
+    const int h = at.head, hk = h / p.group;
     const int qblock = at.tile;
     const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;        // mma accumulator: row g (and g+8), columns 2t, 2t+1
     const int wrow = warp * MT * 16;              // the warp's first row in the block
     const bool vec_ok = p.vec_ok != 0;
-    const int rows_valid = p.seqlen_q - row0;
+    const int rows_valid = seq.seqlen_q() - row0;
 
-    const u16* gQ = row_ptr<const u16>(p.q, b, h, row0);
-    const u16* gK = row_ptr<const u16>(p.k, b, hk, 0);
-    const u16* gV = row_ptr<const u16>(p.v, b, hk, 0);
+    const u16* gQ = seq.q_row<const u16>(p.q, h, row0);
+    const u16* gK = seq.k_row<const u16>(p.k, hk, 0);
+    const u16* gV = seq.k_row<const u16>(p.v, hk, 0);
 
-    const KeyBlocks kb = key_blocks<Causal>(p.kv_blocks, h, qblock, Br, Bc, p.seqlen_q, p.seqlen_k);
+    const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, qblock, Br, Bc);
 
     load_tile<Br, HeadDim, Threads>(sQ, gQ, p.q.row_stride, rows_valid, p.headdim, vec_ok);
     // The first fetch is written two ways (the same arithmetic): each is the spelling its
@@ -69,13 +72,13 @@ flash_fwd_kernel(const FwdParams p) {
         if (kb.count > 0) {
             const int n0 = kb.block(0) * Bc;
             load_tile<Bc, HeadDim, Threads>(sK, gK + n0 * p.k.row_stride, p.k.row_stride,
-                                            p.seqlen_k - n0, p.headdim, vec_ok);
+                                            seq.seqlen_k() - n0, p.headdim, vec_ok);
             load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride,
-                                            p.seqlen_k - n0, p.headdim, vec_ok);
+                                            seq.seqlen_k() - n0, p.headdim, vec_ok);
         }
     } else if (kb.count > 0) {
         load_tile<Bc, HeadDim, Threads>(sK, gK + kb.block(0) * Bc * p.k.row_stride, p.k.row_stride,
-                                        p.seqlen_k - kb.block(0) * Bc, p.headdim, vec_ok);
+                                        seq.seqlen_k() - kb.block(0) * Bc, p.headdim, vec_ok);
     }
     cp_async_commit();
 
@@ -103,15 +106,15 @@ flash_fwd_kernel(const FwdParams p) {
             if (it + 1 < kb.count) {
                 const int n1 = kb.block(it + 1) * Bc;
                 load_tile<Bc, HeadDim, Threads>(sK + nb * Bc * LD, gK + n1 * p.k.row_stride, p.k.row_stride,
-                                                p.seqlen_k - n1, p.headdim, vec_ok);
+                                                seq.seqlen_k() - n1, p.headdim, vec_ok);
                 load_tile<Bc, HeadDim, Threads>(sV + nb * Bc * LD, gV + n1 * p.v.row_stride, p.v.row_stride,
-                                                p.seqlen_k - n1, p.headdim, vec_ok);
+                                                seq.seqlen_k() - n1, p.headdim, vec_ok);
             }
             sKa += (nb ^ 1) * Bc * LD * 2;
             sVa += (nb ^ 1) * Bc * LD * 2;
         } else {
             load_tile<Bc, HeadDim, Threads>(sV, gV + n0 * p.v.row_stride, p.v.row_stride,
-                                            p.seqlen_k - n0, p.headdim, vec_ok);
+                                            seq.seqlen_k() - n0, p.headdim, vec_ok);
         }
         cp_async_commit();
 
@@ -141,18 +144,7 @@ flash_fwd_kernel(const FwdParams p) {
             }
         }
 
-        if (kb.needs_mask(it, Bc)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = row0 + wrow + mt * 16 + g + (e >= 2 ? 8 : 0);
-                    const int end = key_end<Causal>(row, p.seqlen_q, p.seqlen_k);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        if (n0 + nt * 8 + 2 * t + (e & 1) >= end) s[mt][nt][e] = neg_inf();
-                }
-        }
+        if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
         softmax.update(s, acc, p.scale_log2);
         // P to 16-bit A operands now, so that S's registers are free across the K load below.
         u32 pa[MT][Bc / 16][4];
@@ -172,7 +164,7 @@ flash_fwd_kernel(const FwdParams p) {
             if (it + 1 < kb.count) {
                 const int n1 = kb.block(it + 1) * Bc;
                 load_tile<Bc, HeadDim, Threads>(sK, gK + n1 * p.k.row_stride, p.k.row_stride,
-                                                p.seqlen_k - n1, p.headdim, vec_ok);
+                                                seq.seqlen_k() - n1, p.headdim, vec_ok);
             }
             cp_async_commit();
         }
@@ -210,11 +202,10 @@ flash_fwd_kernel(const FwdParams p) {
                 *reinterpret_cast<u32*>(sQ + r * LD + dt * 8 + 2 * t) =
                     pack2<Elem>(acc[mt][dt][2 * hf] * inv_l[2 * mt + hf],
                                 acc[mt][dt][2 * hf + 1] * inv_l[2 * mt + hf]);
-            if (t == 0 && row0 + r < p.seqlen_q)
-                static_cast<float*>(p.lse)[(static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + row0 + r] =
-                    lse[2 * mt + hf];
+            if (t == 0 && row0 + r < seq.seqlen_q())
+                static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * mt + hf];
         }
     __syncthreads();
-    store_tile<Br, HeadDim, Threads>(sQ, row_ptr<u16>(p.o, b, h, row0), p.o.row_stride, rows_valid,
+    store_tile<Br, HeadDim, Threads>(sQ, seq.q_row<u16>(p.o, h, row0), p.o.row_stride, rows_valid,
                                      p.headdim, vec_ok);
 }

@@ -19,6 +19,7 @@
 // every chunk that some row of the block may see. The element masks (causal, sequence ends) are
 // the same either way.
 #include "common.cuh"
+#include "seqinfo.cuh"
 #include "mask.cuh"
 
 namespace generic_impl {
@@ -85,13 +86,15 @@ __device__ __forceinline__ T lse_for_exp(T lse_ln) {
     return lse_ln == -Prec<T>::inf() ? Prec<T>::inf() : Prec<T>::from_ln(lse_ln);
 }
 
+// The row helpers take `rows`, a callable giving the address of a row (a SeqInfo lookup).
+
 // Row `row` of a tensor (or zeros past `nrows`) into registers, lane-owned columns; columns
 // past `headdim` are zeros, so sums over the whole bucket need no further masks.
-template <typename T, int N>
-__device__ __forceinline__ void load_row(T (&dst)[N], const TensorRef& t, int b, int h, int row,
-                                         int nrows, int headdim, int lane) {
+template <typename T, int N, typename Rows>
+__device__ __forceinline__ void load_row(T (&dst)[N], Rows&& rows, int row, int nrows, int headdim,
+                                         int lane) {
     const bool valid = row < nrows;
-    const T* src = valid ? row_ptr<const T>(t, b, h, row) : nullptr;
+    const T* src = valid ? rows(row) : nullptr;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const int col = lane + 32 * i;
@@ -100,9 +103,7 @@ __device__ __forceinline__ void load_row(T (&dst)[N], const TensorRef& t, int b,
 }
 
 template <typename T, int N>
-__device__ __forceinline__ void store_row(const TensorRef& t, int b, int h, int row,
-                                          const T (&src)[N], T factor, int headdim, int lane) {
-    T* dst = row_ptr<T>(t, b, h, row);
+__device__ __forceinline__ void store_row(T* dst, const T (&src)[N], T factor, int headdim, int lane) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const int col = lane + 32 * i;
@@ -113,15 +114,15 @@ __device__ __forceinline__ void store_row(const TensorRef& t, int b, int h, int 
 // Rows [row0, row0 + 32) of a tensor into a shared tile with rows padded by one element.
 // Warp w stages rows w, w + 8, ...: each global read is a run of consecutive columns. Rows
 // at or past `nrows` and columns at or past `headdim` are stored as zeros.
-template <typename T, int HeadDim>
-__device__ __forceinline__ void load_chunk(T* tile, const TensorRef& t, int b, int h, int row0,
-                                           int nrows, int headdim, int warp, int lane) {
+template <typename T, int HeadDim, typename Rows>
+__device__ __forceinline__ void load_chunk(T* tile, Rows&& rows, int row0, int nrows, int headdim,
+                                           int warp, int lane) {
     constexpr int kLd = HeadDim + 1;
 #pragma unroll
     for (int r = warp; r < kChunk; r += kWarps) {
         const int row = row0 + r;
         const bool valid = row < nrows;
-        const T* src = valid ? row_ptr<const T>(t, b, h, row) : nullptr;
+        const T* src = valid ? rows(row) : nullptr;
 #pragma unroll
         for (int i = 0; i < HeadDim / 32; ++i) {
             const int col = lane + 32 * i;
@@ -175,10 +176,6 @@ constexpr int kSmemBytes = 2 * kChunk * (HeadDim + 1) * int(sizeof(T));
 template <typename T, int HeadDim>
 constexpr int kMinBlocks = 2 * kSmemBytes<T, HeadDim> <= kSmemPerSmSm90 ? 2 : 1;
 
-__device__ __forceinline__ index_t stat_index(int b, int h, int nheads, int seqlen_q, int row) {
-    return (static_cast<index_t>(b) * nheads + h) * seqlen_q + row;
-}
-
 // The chunks of kChunk positions of the other side (keys for the forward and dQ, queries for
 // dK/dV) that a block stages. Positions outside [lo, hi) are hidden from every row of the block.
 // Dense (no list): chunk c starts at lo + c * kChunk, up to hi. Block-sparse: the listed tiles'
@@ -223,7 +220,7 @@ __device__ __forceinline__ Chunks visited_chunks(const BlockList& bl, int h, int
 
 }  // namespace generic_impl
 
-template <typename T, int HeadDim, bool Causal>
+template <typename T, int HeadDim, typename V>
 __global__ void __launch_bounds__(generic_impl::kThreads, generic_impl::kMinBlocks<T, HeadDim>)
 generic_fwd_kernel(const FwdParams p) {
     using namespace generic_impl;
@@ -234,32 +231,40 @@ generic_fwd_kernel(const FwdParams p) {
     T* v_tile = k_tile + kChunk * (HeadDim + 1);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+    const SeqInfo seq(p, blockIdx.z);
+    const Mask<V, decltype(p)> mask(p);
+    const int h = blockIdx.y, hk = h / p.group;
     const int row = blockIdx.x * kWarps + warp;
-    const bool active = row < p.seqlen_q;
-    const int kend = active ? key_end<Causal>(row, p.seqlen_q, p.seqlen_k) : 0;
-    // key_end grows with the row: the block's last row bounds the chunks the block stages.
-    const int last_row = min(static_cast<int>(blockIdx.x + 1) * kWarps, p.seqlen_q) - 1;
-    const int kend_block = key_end<Causal>(last_row, p.seqlen_q, p.seqlen_k);
+    const bool active = row < seq.seqlen_q();
+    const int kbegin = mask.key_begin(row);
+    const int kend = active ? mask.key_end(row) : 0;
+    // The band moves right with the row: the block's first and last rows bound the chunks it
+    // stages.
+    const int first_row = blockIdx.x * kWarps;
+    const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+    auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
+    auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
+    auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
 
     T q[N], o[N];
-    load_row(q, p.q, b, h, row, p.seqlen_q, p.headdim, lane);
+    load_row(q, q_rows, row, seq.seqlen_q(), p.headdim, lane);
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] = T(0);
     T m = -Prec<T>::inf();   // running max of the scores, in the kernel's base
     T l = T(0);              // running sum of exp(s - m); chunks may come in any order
 
-    const Chunks chunks = visited_chunks(p.kv_blocks, h, blockIdx.x * kWarps, 0, kend_block);
+    const Chunks chunks = visited_chunks(p.kv_blocks, h, first_row, mask.key_begin(first_row),
+                                         mask.key_end(last_row));
     for (int c = 0; c < chunks.count; ++c) {
         const int k0 = chunks.start(c);
         if (chunks.skip(k0)) continue;   // block-uniform
         __syncthreads();   // no warp still reads the previous chunk
-        load_chunk<T, HeadDim>(k_tile, p.k, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
-        load_chunk<T, HeadDim>(v_tile, p.v, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
+        load_chunk<T, HeadDim>(k_tile, k_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
+        load_chunk<T, HeadDim>(v_tile, v_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
         __syncthreads();
-        if (k0 < kend) {   // warp-uniform
-            const bool visible = k0 + lane < kend;
+        if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
+            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin);
             const T s = dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale;
             const T chunk_max = warp_max(visible ? s : -Prec<T>::inf());
             const T m_new = chunk_max > m ? chunk_max : m;
@@ -280,14 +285,13 @@ generic_fwd_kernel(const FwdParams p) {
         // A row that saw no key (causal, seqlen_q > seqlen_k) has l = 0: output 0, lse -inf.
         // A NaN l (NaN in q or k, a +inf score) is not that: out and lse stay NaN.
         const bool seen = l != T(0);
-        store_row(p.o, b, h, row, o, seen ? T(1) / l : T(0), p.headdim, lane);
+        store_row(seq.q_row<T>(p.o, h, row), o, seen ? T(1) / l : T(0), p.headdim, lane);
         if (lane == 0)
-            static_cast<T*>(p.lse)[stat_index(b, h, p.nheads, p.seqlen_q, row)] =
-                seen ? Prec<T>::lse_ln(m, l) : -Prec<T>::inf();
+            static_cast<T*>(p.lse)[seq.stat(h, row)] = seen ? Prec<T>::lse_ln(m, l) : -Prec<T>::inf();
     }
 }
 
-template <typename T, int HeadDim, bool Causal>
+template <typename T, int HeadDim, typename V>
 __global__ void __launch_bounds__(generic_impl::kThreads, generic_impl::kMinBlocks<T, HeadDim>)
 generic_bwd_dq_kernel(const BwdParams p) {
     using namespace generic_impl;
@@ -298,36 +302,44 @@ generic_bwd_dq_kernel(const BwdParams p) {
     T* v_tile = k_tile + kChunk * (HeadDim + 1);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+    const SeqInfo seq(p, blockIdx.z);
+    const Mask<V, decltype(p)> mask(p);
+    const int h = blockIdx.y, hk = h / p.group;
     const int row = blockIdx.x * kWarps + warp;
-    const bool active = row < p.seqlen_q;
-    const int kend = active ? key_end<Causal>(row, p.seqlen_q, p.seqlen_k) : 0;
-    const int last_row = min(static_cast<int>(blockIdx.x + 1) * kWarps, p.seqlen_q) - 1;
-    const int kend_block = key_end<Causal>(last_row, p.seqlen_q, p.seqlen_k);
+    const bool active = row < seq.seqlen_q();
+    const int kbegin = mask.key_begin(row);
+    const int kend = active ? mask.key_end(row) : 0;
+    const int first_row = blockIdx.x * kWarps;
+    const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+    auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
+    auto dout_rows = [&](int r) { return seq.q_row<const T>(p.dout, h, r); };
+    auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
+    auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
 
     T q[N], dout[N], dq[N];
-    load_row(q, p.q, b, h, row, p.seqlen_q, p.headdim, lane);
-    load_row(dout, p.dout, b, h, row, p.seqlen_q, p.headdim, lane);
+    load_row(q, q_rows, row, seq.seqlen_q(), p.headdim, lane);
+    load_row(dout, dout_rows, row, seq.seqlen_q(), p.headdim, lane);
 #pragma unroll
     for (int i = 0; i < N; ++i) dq[i] = T(0);
     T lse = Prec<T>::inf(), dsum = T(0);
     if (active) {
-        const index_t s = stat_index(b, h, p.nheads, p.seqlen_q, row);
+        const index_t s = seq.stat(h, row);
         lse = lse_for_exp(static_cast<const T*>(p.lse)[s]);
         dsum = static_cast<const T*>(p.dsum)[s];
     }
 
-    const Chunks chunks = visited_chunks(p.kv_blocks, h, blockIdx.x * kWarps, 0, kend_block);
+    const Chunks chunks = visited_chunks(p.kv_blocks, h, first_row, mask.key_begin(first_row),
+                                         mask.key_end(last_row));
     for (int c = 0; c < chunks.count; ++c) {
         const int k0 = chunks.start(c);
         if (chunks.skip(k0)) continue;   // block-uniform
         __syncthreads();   // no warp still reads the previous chunk
-        load_chunk<T, HeadDim>(k_tile, p.k, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
-        load_chunk<T, HeadDim>(v_tile, p.v, b, hk, k0, p.seqlen_k, p.headdim, warp, lane);
+        load_chunk<T, HeadDim>(k_tile, k_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
+        load_chunk<T, HeadDim>(v_tile, v_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
         __syncthreads();
-        if (k0 < kend) {   // warp-uniform
-            const bool visible = k0 + lane < kend;
+        if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
+            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin);
             const T s = dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale;
             const T dp = dot_with_rows<T, HeadDim>(dout, v_tile, lane);
             const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
@@ -336,10 +348,10 @@ generic_bwd_dq_kernel(const BwdParams p) {
     }
 
     // Rows without keys never entered the loop: dq = 0.
-    if (active) store_row(p.dq, b, h, row, dq, static_cast<T>(p.scale), p.headdim, lane);
+    if (active) store_row(seq.q_row<T>(p.dq, h, row), dq, static_cast<T>(p.scale), p.headdim, lane);
 }
 
-template <typename T, int HeadDim, bool Causal>
+template <typename T, int HeadDim, typename V>
 __global__ void __launch_bounds__(generic_impl::kThreads, generic_impl::kMinBlocks<T, HeadDim>)
 generic_bwd_dkdv_kernel(const BwdParams p) {
     using namespace generic_impl;
@@ -350,36 +362,45 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     T* dout_tile = q_tile + kChunk * (HeadDim + 1);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int b = blockIdx.z, hk = blockIdx.y;
+    const SeqInfo seq(p, blockIdx.z);
+    const Mask<V, decltype(p)> mask(p);
+    const int hk = blockIdx.y;
     const int key = blockIdx.x * kWarps + warp;
-    const bool active = key < p.seqlen_k;
-    const int qbegin = active ? query_begin<Causal>(key, p.seqlen_q, p.seqlen_k) : p.seqlen_q;
-    // query_begin grows with the key: the block's first key bounds the chunks it stages.
-    const int qbegin_block = query_begin<Causal>(blockIdx.x * kWarps, p.seqlen_q, p.seqlen_k);
+    const bool active = key < seq.seqlen_k();
+    const int qbegin = active ? mask.query_begin(key) : seq.seqlen_q();
+    const int qend = mask.query_end(key);
+    // The rows that see a key move down with it: the block's first and last keys bound the
+    // chunks it stages.
+    const int first_key = blockIdx.x * kWarps;
+    const int last_key = min(first_key + kWarps, seq.seqlen_k()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+    auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
+    auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
 
     T k[N], v[N], dk[N], dv[N];
-    load_row(k, p.k, b, hk, key, p.seqlen_k, p.headdim, lane);
-    load_row(v, p.v, b, hk, key, p.seqlen_k, p.headdim, lane);
+    load_row(k, k_rows, key, seq.seqlen_k(), p.headdim, lane);
+    load_row(v, v_rows, key, seq.seqlen_k(), p.headdim, lane);
 #pragma unroll
     for (int i = 0; i < N; ++i) dk[i] = dv[i] = T(0);
 
     for (int g = 0; g < p.group; ++g) {
         const int h = hk * p.group + g;
-        const index_t stat0 = stat_index(b, h, p.nheads, p.seqlen_q, 0);
+        const index_t stat0 = seq.stat(h, 0);
+        auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
+        auto dout_rows = [&](int r) { return seq.q_row<const T>(p.dout, h, r); };
         // Each query head its own list (one shared list when the mask has one head).
-        const Chunks chunks = visited_chunks(p.q_blocks, h, blockIdx.x * kWarps, qbegin_block,
-                                             p.seqlen_q);
+        const Chunks chunks = visited_chunks(p.q_blocks, h, first_key, mask.query_begin(first_key),
+                                             mask.query_end(last_key));
         for (int c = 0; c < chunks.count; ++c) {
             const int q0 = chunks.start(c);
             if (chunks.skip(q0)) continue;   // block-uniform
             __syncthreads();   // no warp still reads the previous chunk
-            load_chunk<T, HeadDim>(q_tile, p.q, b, h, q0, p.seqlen_q, p.headdim, warp, lane);
-            load_chunk<T, HeadDim>(dout_tile, p.dout, b, h, q0, p.seqlen_q, p.headdim, warp, lane);
+            load_chunk<T, HeadDim>(q_tile, q_rows, q0, seq.seqlen_q(), p.headdim, warp, lane);
+            load_chunk<T, HeadDim>(dout_tile, dout_rows, q0, seq.seqlen_q(), p.headdim, warp, lane);
             __syncthreads();
-            if (active && q0 + kChunk > qbegin) {   // warp-uniform
+            if (active && q0 + kChunk > qbegin && (!V::Local || q0 < qend)) {   // warp-uniform
                 const int qi = q0 + lane;
-                const bool visible = qi >= qbegin && qi < p.seqlen_q;
+                const bool visible = qi >= qbegin && qi < qend;
                 T lse = Prec<T>::inf(), dsum = T(0);
                 if (visible) {
                     lse = lse_for_exp(static_cast<const T*>(p.lse)[stat0 + qi]);
@@ -395,7 +416,7 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     }
 
     if (active) {
-        store_row(p.dk, b, hk, key, dk, static_cast<T>(p.scale), p.headdim, lane);
-        store_row(p.dv, b, hk, key, dv, T(1), p.headdim, lane);
+        store_row(seq.k_row<T>(p.dk, hk, key), dk, static_cast<T>(p.scale), p.headdim, lane);
+        store_row(seq.k_row<T>(p.dv, hk, key), dv, T(1), p.headdim, lane);
     }
 }

@@ -1,26 +1,89 @@
-// Which keys a query row may see: the bounds of the sequence and the causal mask.
-// Causal attention with seqlen_q != seqlen_k is aligned bottom-right (FlashAttention 2.1+):
-// query i sees keys j <= i + seqlen_k - seqlen_q.
+// Which keys a query row may see: the sequence bounds and the band, aligned to the bottom-right
+// corner (FlashAttention 2.1+): with shift = seqlen_k - seqlen_q, query i sees key j when
+// i + shift - left <= j <= i + shift + right. Causal is the band (-inf, 0]. The Python mirror
+// is cupyflash/_spec.py (key_range, query_range); the host clips left to [0, seqlen_k] and
+// right to [0, seqlen_q] (unbounded sides included), so no sum here leaves 32 bits.
 #pragma once
+#include "common.cuh"
+#include "variant.cuh"
 
-// One past the last key that query `row` may see (<= 0 when it sees none).
-template <bool Causal>
-__device__ __forceinline__ int key_end(int row, int seqlen_q, int seqlen_k) {
-    if constexpr (Causal) {
-        const int end = row + 1 + seqlen_k - seqlen_q;
-        return end < seqlen_k ? end : seqlen_k;
-    } else {
-        return seqlen_k;
-    }
-}
+template <typename V, typename Params>
+struct Mask {
+    const Params& p;   // seqlen_q, seqlen_k, and the band of a local Variant
 
-// The first query row that sees key `col` (every row when not causal).
-template <bool Causal>
-__device__ __forceinline__ int query_begin(int col, int seqlen_q, int seqlen_k) {
-    if constexpr (Causal) {
-        const int begin = col - (seqlen_k - seqlen_q);
-        return begin > 0 ? begin : 0;
-    } else {
-        return 0;
+    __device__ __forceinline__ explicit Mask(const Params& params) : p(params) {}
+
+    __device__ __forceinline__ int seqlen_q() const { return p.seqlen_q; }
+    __device__ __forceinline__ int seqlen_k() const { return p.seqlen_k; }
+
+    // The first key row `row` sees (0 unless a window bounds the left side).
+    __device__ __forceinline__ int key_begin(int row) const {
+        if constexpr (V::Local) {
+            const int begin = row + seqlen_k() - seqlen_q() - p.window_left;
+            return begin > 0 ? begin : 0;
+        } else {
+            return 0;
+        }
     }
+    // One past the last key row `row` sees (<= key_begin when it sees none).
+    __device__ __forceinline__ int key_end(int row) const {
+        if constexpr (V::Causal || V::Local) {
+            const int end = row + 1 + seqlen_k() - seqlen_q() + (V::Local ? p.window_right : 0);
+            return end < seqlen_k() ? end : seqlen_k();
+        } else {
+            return seqlen_k();
+        }
+    }
+    // The first query row that sees key `col`.
+    __device__ __forceinline__ int query_begin(int col) const {
+        if constexpr (V::Causal || V::Local) {
+            const int begin = col - (seqlen_k() - seqlen_q()) - (V::Local ? p.window_right : 0);
+            return begin > 0 ? begin : 0;
+        } else {
+            return 0;
+        }
+    }
+    // One past the last query row that sees key `col`.
+    __device__ __forceinline__ int query_end(int col) const {
+        if constexpr (V::Local) {
+            const int end = col - (seqlen_k() - seqlen_q()) + p.window_left + 1;
+            return end < seqlen_q() ? end : seqlen_q();
+        } else {
+            return seqlen_q();
+        }
+    }
+    // Key `col` is hidden from row `row` (both inside their sequences or not).
+    __device__ __forceinline__ bool hidden(int row, int col) const {
+        return col >= key_end(row) || (V::Local && col < key_begin(row));
+    }
+};
+
+// Sets to -inf the scores of mma accumulator tiles s[M][N][4] (16 x 8 each: element e of tile
+// (m, n) sits at row m*16 + lane/4 + 8*(e/2), column n*8 + 2*(lane%4) + e%2) that the mask
+// hides. The tiles' rows are queries from row0 and their columns keys from col0, or, with
+// Transposed (the dK/dV pass's S^T), keys from row0 and queries from col0. exp2 of -inf is
+// exactly 0, so the softmax and the gradients need nothing else.
+// The band test is written on key - query, which differs from one thread register by a
+// compile-time constant per element: the test costs one compare with an immediate, and no
+// register per row or column (a per-row key_end took the 255-register dK/dV kernels over).
+template <bool Transposed, typename V, typename Params, int M, int N>
+__device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, Params>& mask, int row0, int col0,
+                                            int lane) {
+    const int r = row0 + lane / 4, c = col0 + 2 * (lane % 4);   // element 0 of tile (0, 0)
+    const int shift = mask.seqlen_k() - mask.seqlen_q();
+    const int key0 = Transposed ? r : c;
+    const int diff0 = Transposed ? r - c : c - r;               // key - query
+    const int diff_hi = shift + (V::Local ? mask.p.window_right : 0) - diff0;
+    const int diff_lo = shift - (V::Local ? mask.p.window_left : 0) - diff0;
+    const int key_hi = mask.seqlen_k() - key0;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int dr = m * 16 + (e >= 2 ? 8 : 0), dc = n * 8 + (e & 1);
+                const int dkey = Transposed ? dr : dc, ddiff = Transposed ? dr - dc : dc - dr;
+                if (ddiff > diff_hi || dkey >= key_hi || (V::Local && ddiff < diff_lo)) s[m][n][e] = neg_inf();
+            }
 }

@@ -39,6 +39,7 @@ struct FwdParams {
                          // (block_coord in block_iter.cuh)
     double scale;        // softmax scale applied to q.k (double for the float64 path)
     float scale_log2;    // scale * log2(e): the fp16/bf16/fp32 kernels work in base 2
+    int window_left, window_right;   // the band of a local Variant (mask.cuh)
     BlockList kv_blocks; // per query tile, the key tiles to visit
 };
 
@@ -60,6 +61,7 @@ struct BwdParams {
     int launch_group;
     double scale;
     float scale_log2;
+    int window_left, window_right;
     BlockList kv_blocks; // per query tile, the key tiles to visit (dQ pass)
     BlockList q_blocks;  // per key tile, the query tiles that visit it (dK/dV pass)
 };

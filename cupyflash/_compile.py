@@ -5,7 +5,8 @@ the header's text (once per header), so the source string handed to CuPy contain
 line that is compiled. CuPy's on-disk cache hashes that string, which makes its key change
 whenever any ``.cu``/``.cuh`` changes. Modules are compiled lazily and memoized per
 (device, source, name expressions), each key compiled once even when threads ask for it at
-the same time.
+the same time. A module is keyed by its source text, not a file name: a changed header, or
+a user's snippet spliced into a source, is a new key.
 
 CuPy's disk cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) may be read-only
 where it already holds every kernel a call needs. A kernel missing from a read-only cache
@@ -87,10 +88,10 @@ def _once_per_key(fn):
 
 
 @_once_per_key
-def _module(device_id, filename, names):
+def _module(device_id, code, names):
     import cupy
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=source(filename), options=NVRTC_OPTIONS,
+        module = cupy.RawModule(code=code, options=NVRTC_OPTIONS,
                                 name_expressions=list(names))
         try:
             # CuPy compiles at the first get_function; here it runs under this key's lock.
@@ -116,13 +117,13 @@ def _cache_error(e):
                             f"CUPY_CACHE_IN_MEMORY=1 to compile without the disk cache")
 
 
-def get_kernel(filename, name):
-    """The compiled kernel ``name`` (a template name) of ``cuda/<filename>`` on the current
-    device. Each instantiation is its own small module so that a call compiles only what
-    it launches."""
+def get_kernel(code, name):
+    """The compiled kernel ``name`` (a template name) of the source text ``code`` (``source(
+    filename)``, or one with a user's snippet) on the current device. Each instantiation is its
+    own small module so that a call compiles only what it launches."""
     import cupy
     device_id = cupy.cuda.Device().id
-    module = _module(device_id, filename, (name,))
+    module = _module(device_id, code, (name,))
     return module.get_function(name)
 
 

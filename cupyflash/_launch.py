@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from . import _config
+from . import _compile, _config, _spec
 from ._compile import get_kernel, template_name
 
 
@@ -20,7 +20,8 @@ BLOCK_LIST = np.dtype([("idx", np.uint64), ("count", np.uint64), ("partial", np.
                        ("row_tile", np.int32), ("list_tile", np.int32)], align=True)
 _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("group", np.int32),
          ("seqlen_q", np.int32), ("seqlen_k", np.int32), ("headdim", np.int32),
-         ("vec_ok", np.int32), ("launch_group", np.int32), ("scale", np.float64), ("scale_log2", np.float32)]
+         ("vec_ok", np.int32), ("launch_group", np.int32), ("scale", np.float64), ("scale_log2", np.float32),
+         ("window_left", np.int32), ("window_right", np.int32)]
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
                       + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
@@ -60,13 +61,19 @@ def _vec_ok(*arrays):
     return True
 
 
-def _fill_dims(p, q, k, scale):
+def _fill_dims(p, q, k, scale, spec):
     b, sq, h, d = q.shape
+    sk = k.shape[1]
     p["batch"], p["nheads"], p["nheads_k"] = b, h, k.shape[2]
     p["group"] = h // k.shape[2]
-    p["seqlen_q"], p["seqlen_k"], p["headdim"] = sq, k.shape[1], d
+    p["seqlen_q"], p["seqlen_k"], p["headdim"] = sq, sk, d
     p["scale"] = scale
     p["scale_log2"] = scale * _config.LOG2E
+    # cuda/mask.cuh: a side beyond every key (row) is unbounded; clipped, no sum there
+    # overflows.
+    left, right = spec.window
+    p["window_left"] = sk if left < 0 else min(left, sk)
+    p["window_right"] = sq if right < 0 else min(right, sq)
 
 
 def _smem_limit():
@@ -89,10 +96,11 @@ def _attribute_of(device_id, name):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(filename, name, device_id, smem):
+def _kernel(source, name, device_id, smem):
     """The kernel with its dynamic shared-memory limit raised once (above 48 KB a kernel
-    must opt in), not on every launch."""
-    kernel = get_kernel(filename, name)
+    must opt in), not on every launch. Keyed by the source text itself, as _compile's modules
+    are: another text under the same file name is another kernel."""
+    kernel = get_kernel(source, name)
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel
@@ -100,7 +108,7 @@ def _kernel(filename, name, device_id, smem):
 
 def _launch(filename, name, grid, threads, smem, params):
     import cupy
-    kernel = _kernel(filename, name, cupy.cuda.Device().id, smem)
+    kernel = _kernel(_compile.source(filename), name, cupy.cuda.Device().id, smem)
     kernel(grid, (threads,), (params,), shared_mem=smem)
 
 
@@ -150,62 +158,77 @@ def _fill_lists(p, block_mask, tile_q, tile_k, causal, kv, q):
             rec["row_tile"], rec["list_tile"] = row_tile, list_tile
 
 
-def check_supported(dtype, headdim, block_mask):
+def _check_lists(p, field, row_tile, list_tile):
+    """A tensor-core kernel knows its tiles only as template constants: a list made for other
+    tiles would be read with the wrong geometry, silently."""
+    rec = p[field]
+    if rec["idx"] and (rec["row_tile"], rec["list_tile"]) != (row_tile, list_tile):
+        raise AssertionError(f"{field} lists are for {rec['row_tile']} x {rec['list_tile']} tiles, "
+                             f"the kernel's are {row_tile} x {list_tile}")
+
+
+def check_supported(spec, block_mask):
     """Raise, before anything is allocated, where the current GPU cannot run this call:
     fp16/bf16 need tensor cores of sm_80+, and every kernel's tile must fit its shared memory."""
     import cupy
     dev = cupy.cuda.Device()
-    hd = _config.head_dim_bucket(headdim)
+    hd = spec.headdim
     limit = _smem_limit()
-    if dtype.name in TENSOR_CORE:
+    if spec.dtype in TENSOR_CORE:
         cc = int(dev.compute_capability)
         if cc < 80:
-            raise TypeError(f"{dtype.name} needs tensor cores of compute capability 8.0 or newer; "
+            raise TypeError(f"{spec.dtype} needs tensor cores of compute capability 8.0 or newer; "
                             f"device {dev.id} is {cc // 10}.{cc % 10} (use float32)")
         try:
             for pass_ in ("fwd", "bwd", "dq"):
                 _config.tile(pass_, hd, limit, *_tile_limits(block_mask))
         except RuntimeError as e:
-            raise ValueError(f"headdim {headdim} with {dtype.name}: {e}") from None
-    elif _generic_smem(hd, dtype.itemsize) > limit:
-        raise ValueError(f"headdim {headdim} with {dtype.name} needs "
-                         f"{_generic_smem(hd, dtype.itemsize)} bytes of shared memory per block; "
-                         f"device {dev.id} has {limit}")
+            raise ValueError(f"headdim bucket {hd} with {spec.dtype}: {e}") from None
+    else:
+        itemsize = np.dtype(spec.dtype).itemsize
+        if _generic_smem(hd, itemsize) > limit:
+            raise ValueError(f"headdim bucket {hd} with {spec.dtype} needs "
+                             f"{_generic_smem(hd, itemsize)} bytes of shared memory per block; "
+                             f"device {dev.id} has {limit}")
 
 
-def forward(q, k, v, out, lse, scale, causal, block_mask=None):
-    """Launch the forward pass. ``out`` and ``lse`` are preallocated outputs. With a
-    ``block_mask``, ``causal`` is already the call's flag or the mask's."""
+def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None):
+    """Launch the forward pass of the call ``spec`` (a CallSpec). ``out`` and ``lse`` are
+    preallocated outputs."""
+    _check_spec(spec, alibi_slopes)
     p = np.zeros((), FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         _tensor_ref(p[name], a)
     p["lse"] = lse.data.ptr
-    _fill_dims(p, q, k, scale)
+    _fill_dims(p, q, k, scale, spec)
     p["vec_ok"] = _vec_ok(q, k, v, out)
     b, sq, h, d = q.shape
-    hd = _config.head_dim_bucket(d)
-    elem = ELEM[q.dtype.name]
-    if q.dtype.name in TENSOR_CORE:
+    hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
+    if spec.dtype in TENSOR_CORE:
         t = _config.tile("fwd", hd, _smem_limit(), *_tile_limits(block_mask))
         if block_mask is not None:
-            _fill_lists(p, block_mask, t.br, t.bc, causal, kv=True, q=False)
-        name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, t.stages_for(causal),
-                             causal)
-        _launch("fwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, causal), 32 * t.warps,
-                t.smem_bytes(hd, causal), p[()])
+            _fill_lists(p, block_mask, t.br, t.bc, spec.causal, kv=True, q=False)
+        _check_lists(p, "kv_blocks", t.br, t.bc)
+        stages = t.stages_for(spec.masked_band)
+        name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, stages, variant)
+        _launch("fwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, spec.causal),
+                32 * t.warps, t.smem_bytes(hd, spec.masked_band), p[()])
     else:
         if block_mask is not None:
-            _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=False)
-        name = template_name("generic_fwd_kernel", elem, hd, causal)
+            _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, spec.causal,
+                        kv=True, q=False)
+        name = template_name("generic_fwd_kernel", elem, hd, variant)
         _launch("generic.cu", name, (_config.cdiv(sq, _config.GENERIC_WARPS), h, b),
                 32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()])
 
 
-def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, causal, block_mask=None):
-    """Launch the backward passes. ``dq``, ``dk``, ``dv`` and ``stats`` (D and lse in log2
-    units, ``(2,) + lse.shape`` in lse's dtype, written by the first pass) are preallocated;
-    ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or None
-    (deterministic / plain path)."""
+def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask=None,
+             alibi_slopes=None):
+    """Launch the backward passes of the call ``spec``. ``dq``, ``dk``, ``dv`` and ``stats``
+    (D and lse in log2 units, ``(2,) + lse.shape`` in lse's dtype, written by the first pass)
+    are preallocated; ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or
+    None (deterministic / plain path)."""
+    _check_spec(spec, alibi_slopes)
     p = np.zeros((), BWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -214,30 +237,32 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, causal
     if dq_accum is not None:
         p["dq_accum"] = dq_accum.data.ptr
         p["dq_accum_rows"], p["dq_accum_cols"] = dq_accum.shape[2:]
-    _fill_dims(p, q, k, scale)
+    _fill_dims(p, q, k, scale, spec)
     p["vec_ok"] = _vec_ok(q, k, v, out, dout, dq, dk, dv)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    hd = _config.head_dim_bucket(d)
-    elem = ELEM[q.dtype.name]
+    hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
+    causal = spec.causal
     rows = (_config.cdiv(sq, _config.GENERIC_WARPS), h, b)
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem), rows,
             32 * _config.GENERIC_WARPS, 0, p[()])
-    if q.dtype.name in TENSOR_CORE:
+    if spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         t = _config.tile("bwd", hd, limit, *_tile_limits(block_mask),
                          deterministic=dq_accum is None)
         if block_mask is not None:
             _fill_lists(p, block_mask, t.br, t.bc, causal, kv=False, q=True)
+        _check_lists(p, "q_blocks", t.bc, t.br)
         name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
-                             causal, dq_accum is not None)
+                             variant, dq_accum is not None)
         _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sk, t.bc), hk, b, causal), 32 * t.warps,
                 t.smem_bytes(hd), p[()])
         if dq_accum is None:
             t = _config.tile("dq", hd, limit, *_tile_limits(block_mask))
             if block_mask is not None:
                 _fill_lists(p, block_mask, t.br, t.bc, causal, kv=True, q=False)
-            name = template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal)
+            _check_lists(p, "kv_blocks", t.br, t.bc)
+            name = template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, variant)
             _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, causal), 32 * t.warps,
                     t.smem_bytes(hd), p[()])
         else:
@@ -248,10 +273,18 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, causal
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=True)
         smem = _generic_smem(hd, q.itemsize)
         threads = 32 * _config.GENERIC_WARPS
-        _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, causal),
+        _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, variant),
                 rows, threads, smem, p[()])
-        _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, causal),
+        _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, variant),
                 (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()])
+
+
+def _check_spec(spec, alibi_slopes):
+    """What the kernels do not do yet (the API refuses these calls before they get here)."""
+    if spec.softcap or spec.alibi or alibi_slopes is not None:
+        raise NotImplementedError("softcap and alibi_slopes have no GPU kernels yet")
+    if spec.local and spec.sparse:
+        raise NotImplementedError("window_size with a block_mask")
 
 
 def dq_accum_shape(shape):
@@ -272,26 +305,28 @@ def kernel_names(smem_limit):
     for elem in (ELEM[d] for d in TENSOR_CORE):
         names["bwd.cu"].append(template_name("bwd_convert_dq_kernel", elem))
     limits = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
+    variants = [_spec.CallSpec("float16", 0, window=w) for w in (_spec.NO_WINDOW, _spec.CAUSAL)]
     for hd in _config.HEAD_DIM_BUCKETS:
         # Dense calls take the largest tiles, which equal those of 128 x 128 mask blocks.
         fwd = {_config.tile("fwd", hd, smem_limit, *lim) for lim in limits}
         bwd = {(_config.tile("bwd", hd, smem_limit, *lim, deterministic=not atomic), atomic)
                for lim in limits for atomic in (False, True)}
         dq = {_config.tile("dq", hd, smem_limit, *lim) for lim in limits}
-        for causal in (False, True):
+        for spec in variants:
+            variant, band = spec.variant(), spec.masked_band
             for elem in (ELEM[d] for d in TENSOR_CORE):
                 for t in sorted(fwd, key=repr):
                     names["fwd.cu"].append(template_name(
-                        "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, t.stages_for(causal), causal))
+                        "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, t.stages_for(band), variant))
                 for t, atomic_dq in sorted(bwd, key=repr):
                     names["bwd.cu"].append(template_name(
                         "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
-                        causal, atomic_dq))
+                        variant, atomic_dq))
                 for t in sorted(dq, key=repr):
                     names["bwd.cu"].append(template_name(
-                        "flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, causal))
+                        "flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, variant))
             for elem in ("float", "double"):
                 for kernel in ("generic_fwd_kernel", "generic_bwd_dq_kernel",
                                "generic_bwd_dkdv_kernel"):
-                    names["generic.cu"].append(template_name(kernel, elem, hd, causal))
+                    names["generic.cu"].append(template_name(kernel, elem, hd, variant))
     return names

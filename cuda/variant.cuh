@@ -1,0 +1,11 @@
+// The compile-time description of an attention call that the kernels are templated on, one
+// type for every kernel family. cupyflash/_spec.py (CallSpec.variant) spells it for NVRTC, so
+// a new feature adds a flag here and there and nowhere in between.
+#pragma once
+
+template <bool Causal_, bool Local_>
+struct Variant {
+    static constexpr bool Causal = Causal_;   // the band (-inf, 0]: causal, bottom-right aligned
+    static constexpr bool Local = Local_;     // a band (left, right) read at run time (Mask)
+    static constexpr bool Band = Causal || Local;   // the band hides some keys from some rows
+};

@@ -1,0 +1,100 @@
+"""One frozen description of an attention call, and the one visibility rule.
+
+``CallSpec`` holds what decides which kernel runs and how the NumPy path computes: dtype,
+head-dim bucket, the band of visible keys (causal, sliding window), the score modifiers and
+whether a block mask is given. From it come the template arguments of every kernel (the C++
+``Variant<...>`` of cuda/variant.cuh), the key of the tile table and the NumPy path's
+options, so that a new feature is added in one place.
+
+The band rule: query row ``i`` sees key ``j`` when ``i + shift - left <= j <= i + shift +
+right``, ``shift = seqlen_k - seqlen_q`` (aligned to the bottom-right corner), a negative
+``left`` or ``right`` meaning unbounded on that side. ``causal`` is the band ``(-1, 0)``.
+``key_range`` and ``query_range`` are its only spelling in Python (mirrored by cuda/mask.cuh).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _config
+
+NO_WINDOW = (-1, -1)
+CAUSAL = (-1, 0)
+
+
+def band(causal, window_size=NO_WINDOW):
+    """The call's band ``(left, right)``: ``window_size`` with ``causal`` folded in (causal
+    closes the right side at 0, as FlashAttention does)."""
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return (left, right)
+
+
+def key_range(rows, seqlen_q, seqlen_k, window):
+    """``(begin, end)`` int64 arrays like ``rows``: row ``i`` sees keys ``begin <= j < end``
+    (``begin >= end`` when it sees none). Rows may lie outside ``[0, seqlen_q)``."""
+    rows = np.asarray(rows, np.int64)
+    left, right = window
+    shift = seqlen_k - seqlen_q
+    begin = np.zeros(rows.shape, np.int64) if left < 0 else np.maximum(rows + shift - left, 0)
+    end = (np.full(rows.shape, seqlen_k, np.int64) if right < 0
+           else np.minimum(rows + shift + right + 1, seqlen_k))
+    return begin, end
+
+
+def query_range(cols, seqlen_q, seqlen_k, window):
+    """``(begin, end)``: key ``j`` is seen by rows ``begin <= i < end``; the transpose of
+    ``key_range``."""
+    cols = np.asarray(cols, np.int64)
+    left, right = window
+    shift = seqlen_k - seqlen_q
+    begin = np.zeros(cols.shape, np.int64) if right < 0 else np.maximum(cols - shift - right, 0)
+    end = (np.full(cols.shape, seqlen_q, np.int64) if left < 0
+           else np.minimum(cols - shift + left + 1, seqlen_q))
+    return begin, end
+
+
+def visible(rows, cols, seqlen_q, seqlen_k, window):
+    """Bool ``(len(rows), len(cols))``: the band's element mask over those rows and keys."""
+    begin, end = key_range(rows, seqlen_q, seqlen_k, window)
+    cols = np.asarray(cols, np.int64)[None, :]
+    return (cols >= begin[:, None]) & (cols < end[:, None])
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    dtype: str                  # NumPy name of q's dtype
+    headdim: int                # head-dim bucket (_config.HEAD_DIM_BUCKETS)
+    window: tuple = NO_WINDOW   # band (left, right), causal folded in (see ``band``)
+    softcap: float = 0.0        # > 0: scores become softcap * tanh(s / softcap)
+    alibi: bool = False         # ALiBi slopes are given (an array beside the spec)
+    sparse: bool = False        # a BlockMask gives the visited tiles
+
+    @classmethod
+    def of(cls, q, *, causal, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+           block_mask=None):
+        """The spec of a call on ``q`` whose arguments were validated; ``causal`` is already
+        ORed with the mask's own."""
+        return cls(dtype=np.dtype(q.dtype).name, headdim=_config.head_dim_bucket(q.shape[-1]),
+                   window=band(causal, window_size), softcap=float(softcap),
+                   alibi=alibi_slopes is not None, sparse=block_mask is not None)
+
+    @property
+    def causal(self):
+        """The band is exactly the causal one (its kernels skip the window arithmetic)."""
+        return self.window == CAUSAL
+
+    @property
+    def local(self):
+        """A band other than none and causal: the kernels take (left, right) at run time."""
+        return self.window not in (NO_WINDOW, CAUSAL)
+
+    @property
+    def masked_band(self):
+        """Some key is hidden from some row by the band (not by sequence ends)."""
+        return self.window != NO_WINDOW
+
+    def variant(self):
+        """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh)."""
+        flags = (self.causal, self.local)
+        return "Variant<" + ", ".join("true" if f else "false" for f in flags) + ">"
