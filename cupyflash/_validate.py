@@ -2,8 +2,8 @@
 
 The arrays arrive as all NumPy or all CuPy (``_arrays.as_backend`` ran first). Every error
 names the argument, says what was expected and what was given, with NumPy's exception types:
-TypeError for dtypes and for a softmax_scale that is not a number, ValueError for shapes,
-strides, devices and values.
+TypeError for dtypes and for a softmax_scale, softcap or window_size that is not a number
+(or pair of integers), ValueError for shapes, strides, devices and values.
 """
 import math
 import numbers
