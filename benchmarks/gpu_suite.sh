@@ -62,7 +62,7 @@ def compile_one(item):
         import cupy
         from cupyflash import _compile
         with cupy.cuda.Device(0):
-            _compile._module(0, filename, (name,)).get_function(name)
+            _compile._module(0, _compile.source(filename), (name,)).get_function(name)
         return filename, name, time.perf_counter() - t0, None
     except Exception as e:
         return filename, name, time.perf_counter() - t0, f"{type(e).__name__}: {e}"

@@ -84,6 +84,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, P
             for (int e = 0; e < 4; ++e) {
                 const int dr = m * 16 + (e >= 2 ? 8 : 0), dc = n * 8 + (e & 1);
                 const int dkey = Transposed ? dr : dc, ddiff = Transposed ? dr - dc : dc - dr;
-                if (ddiff > diff_hi || dkey >= key_hi || (V::Local && ddiff < diff_lo)) s[m][n][e] = neg_inf();
+                if ((V::Band && ddiff > diff_hi) || dkey >= key_hi || (V::Local && ddiff < diff_lo))
+                    s[m][n][e] = neg_inf();
             }
 }

@@ -280,10 +280,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
 
 
 def _check_spec(spec, alibi_slopes):
-    """What the kernels do not do yet (the API refuses these calls before they get here)."""
+    """What the kernels do not do yet."""
     if spec.softcap or spec.alibi or alibi_slopes is not None:
         raise NotImplementedError("softcap and alibi_slopes have no GPU kernels yet")
-    if spec.local and spec.sparse:
+    if spec.local and spec.sparse:   # the API refuses it before
         raise NotImplementedError("window_size with a block_mask")
 
 
@@ -304,15 +304,17 @@ def kernel_names(smem_limit):
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):
         names["bwd.cu"].append(template_name("bwd_convert_dq_kernel", elem))
-    limits = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
-    variants = [_spec.CallSpec("float16", 0, window=w) for w in (_spec.NO_WINDOW, _spec.CAUSAL)]
+    every = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
+    dense = [(_config.MAX_BLOCK, _config.MAX_BLOCK)]   # the tiles of dense calls
+    # A window is refused with a block mask: its kernels need only the dense tiles.
+    variants = [(_spec.CallSpec("float16", 0, window=w), limits)
+                for w, limits in ((_spec.NO_WINDOW, every), (_spec.CAUSAL, every), ((1, 1), dense))]
     for hd in _config.HEAD_DIM_BUCKETS:
-        # Dense calls take the largest tiles, which equal those of 128 x 128 mask blocks.
-        fwd = {_config.tile("fwd", hd, smem_limit, *lim) for lim in limits}
-        bwd = {(_config.tile("bwd", hd, smem_limit, *lim, deterministic=not atomic), atomic)
-               for lim in limits for atomic in (False, True)}
-        dq = {_config.tile("dq", hd, smem_limit, *lim) for lim in limits}
-        for spec in variants:
+        for spec, limits in variants:
+            fwd = {_config.tile("fwd", hd, smem_limit, *lim) for lim in limits}
+            bwd = {(_config.tile("bwd", hd, smem_limit, *lim, deterministic=not atomic), atomic)
+                   for lim in limits for atomic in (False, True)}
+            dq = {_config.tile("dq", hd, smem_limit, *lim) for lim in limits}
             variant, band = spec.variant(), spec.masked_band
             for elem in (ELEM[d] for d in TENSOR_CORE):
                 for t in sorted(fwd, key=repr):

@@ -109,14 +109,15 @@ def rel_err(got, ref):
     return float(xp.abs(got[finite] - ref[finite]).max()) / top
 
 
-def check_case(xp, case):
+def check_case(xp, case, f64_rel=F64_REL, deterministic=False):
     """Forward and backward of ``case`` on ``xp`` arrays through the public API, against the
     float64 reference: shapes and dtypes, lse -inf exactly where the reference has it, no NaN,
-    and the tolerance of the module docstring."""
+    and the tolerance of the module docstring (``f64_rel`` for float64)."""
     q, k, v, dout, slopes = case.inputs(xp)
     variant = case.keywords(slopes)
     out, lse = cf.flash_attention(q, k, v, causal=case.causal, return_lse=True, **variant)
-    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal, **variant)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
+                                        deterministic=deterministic, **variant)
     ref_out, ref_lse = attention_ref(q, k, v, case.scale, case.causal, **variant)
     ref_grads = attention_ref_backward(dout, q, k, v, case.scale, case.causal, **variant)
 
@@ -131,7 +132,7 @@ def check_case(xp, case):
         for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
                                   (ref_out, ref_lse, *ref_grads)):
             err = rel_err(got, ref)
-            assert err < F64_REL, f"{name}: relative error {err:.2e}"
+            assert err < f64_rel, f"{name}: relative error {err:.2e}"
         return
     naive_out, naive_lse = attention_naive(q, k, v, case.scale, case.causal, case.dtype,
                                            **variant)
@@ -184,6 +185,33 @@ CASES += [dataclasses.replace(case, strided=True, seed=case.seed + 70)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_variant_matches_reference_on_numpy(case):
     check_case(np, case)
+
+
+# On the GPU: the variants the kernels have so far (the band: window and causal), in every
+# dtype, on the table's shapes and on larger ones whose windows cross many tiles (and skip
+# whole tiles on both sides).
+GPU_VARIANTS = [c for c in CASES if not c.softcap and c.alibi is None and c.dtype == "float64"]
+GPU_CASES = [dataclasses.replace(c, dtype=dtype) for c in GPU_VARIANTS
+             for dtype in ("float16", "bfloat16", "float32", "float64")]
+GPU_CASES += [Variant(*shape, causal=causal, window_size=window, dtype=dtype, seed=7)
+              for shape in ((2, 1000, 777, 4, 2, 64), (1, 777, 1000, 2, 1, 128),
+                            (1, 1024, 1024, 2, 2, 96))
+              for window in ((100, 50), (-1, 30), (200, -1), (0, 0), (300, 0))
+              for causal in (False, True)
+              for dtype in ("float16", "bfloat16")]
+GPU_CASES += [dataclasses.replace(c, strided=True, seed=c.seed + 70)
+              for c in GPU_CASES if c.sq == 1000 and not c.causal]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in GPU_CASES])
+def test_variant_matches_reference_on_gpu(case, deterministic):
+    import cupy
+    from gpu_checks import FP64_RTOL
+    if deterministic and case.dtype not in ("float16", "bfloat16"):
+        pytest.skip("the plain kernels have one backward")
+    check_case(cupy, case, f64_rel=FP64_RTOL, deterministic=deterministic)
 
 
 def test_the_table_covers_every_combination():
