@@ -16,7 +16,7 @@ import multiprocessing as mp
 import os
 from pathlib import Path
 
-from cupyflash import _compile, _config, _launch, bench
+from cupyflash import _compile, _config, _launch, _spec, bench
 
 PASSES = ("fwd", "bwd")
 
@@ -48,9 +48,10 @@ def needed(headdims):
     for hd in headdims:
         f, b = _config.tile("fwd", hd, limit), _config.tile("bwd", hd, limit)
         for causal in (False, True):
-            yield "fwd.cu", tn("flash_fwd_kernel", "bf16", hd, f.br, f.bc, f.warps, f.stages_for(causal), causal)
+            variant = _spec.CallSpec("bfloat16", hd, window=_spec.band(causal)).variant()
+            yield "fwd.cu", tn("flash_fwd_kernel", "bf16", hd, f.br, f.bc, f.warps, f.stages_for(causal), variant)
             yield "bwd.cu", tn("flash_bwd_dkdv_kernel", "bf16", hd, b.bc, b.br, b.warps, b.km,
-                               b.stages, causal, True)
+                               b.stages, variant, True)
 
 
 def main():
