@@ -298,8 +298,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 
     // Fused: S^T and dP^T products in one loop, or S^T first, its exponentials issuing under
     // the dP^T products (+5% at d=128 non-causal; causal, with NVRTC 13.5, +3 to +4% at d=64
-    // and +0 to +1% at d=128). Causal single-buffered kernels stay fused: split, they spill at
-    // the register limit (sm_80's d=128 tile, the deterministic d=64 one).
+    // and +0 to +1% at d=128). Band kernels stay fused where split ones spill at the register
+    // limit: single-buffered (sm_80's d=128 tile, the deterministic d=64 one) and the d=64
+    // two-stage tile (see benchmarks/NOTES.md, Part 1 gate).
     constexpr bool Fused = V::Band && (Stages == 1 || HeadDim <= 64);
     while (cur.hq < p.group) {
         const int m0 = cur.qb.block(cur.it) * Br;
