@@ -169,7 +169,11 @@ def _check_lists(p, field, row_tile, list_tile):
 
 def check_supported(spec, block_mask):
     """Raise, before anything is allocated, where the current GPU cannot run this call:
-    fp16/bf16 need tensor cores of sm_80+, and every kernel's tile must fit its shared memory."""
+    fp16/bf16 need tensor cores of sm_80+, and every kernel's tile must fit its shared memory;
+    softcap and ALiBi have no kernels yet."""
+    if spec.softcap or spec.alibi:
+        raise NotImplementedError("softcap and alibi_slopes have no GPU kernels yet (NumPy "
+                                  "arrays run them)")
     import cupy
     dev = cupy.cuda.Device()
     hd = spec.headdim
@@ -195,7 +199,6 @@ def check_supported(spec, block_mask):
 def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None):
     """Launch the forward pass of the call ``spec`` (a CallSpec). ``out`` and ``lse`` are
     preallocated outputs."""
-    _check_spec(spec, alibi_slopes)
     p = np.zeros((), FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         _tensor_ref(p[name], a)
@@ -228,7 +231,6 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     (D and lse in log2 units, ``(2,) + lse.shape`` in lse's dtype, written by the first pass)
     are preallocated; ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or
     None (deterministic / plain path)."""
-    _check_spec(spec, alibi_slopes)
     p = np.zeros((), BWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -277,14 +279,6 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
                 rows, threads, smem, p[()])
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, variant),
                 (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()])
-
-
-def _check_spec(spec, alibi_slopes):
-    """What the kernels do not do yet."""
-    if spec.softcap or spec.alibi or alibi_slopes is not None:
-        raise NotImplementedError("softcap and alibi_slopes have no GPU kernels yet")
-    if spec.local and spec.sparse:   # the API refuses it before
-        raise NotImplementedError("window_size with a block_mask")
 
 
 def dq_accum_shape(shape):
