@@ -410,14 +410,20 @@ def _geometry(seqlen_q, seqlen_k, block_size):
     return (block_q, block_k), sq, sk, (r0[:, None], r1[:, None]), (c0[None], c1[None])
 
 
-def _band(rows, cols, sq, sk, window):
-    """(nbq, nbk) bool: the element band |i + seqlen_k - seqlen_q - j| < window meets the
-    block (i, j within the sequences)."""
+def _band_blocks(rows, cols, sq, sk, window):
+    """(nbq, nbk) bool: some element of the block lies in the band ``window`` (``_spec.band``,
+    ``left + right >= 0``)."""
     (r0, r1), (c0, c1) = rows, cols
-    shift = sk - sq
-    # Distance between the intervals [r0 + shift, r1 + shift] and [c0, c1].
-    gap = np.maximum(np.maximum(c0 - (r1 + shift), (r0 + shift) - c1), 0)
-    return gap < window
+    # Both ends of the band move right by one key per row and (left + right >= 0) each row's
+    # keys reach the next row's: rows r0..r1 together see the one span [begin(r0), end(r1)).
+    begin, _ = _spec.key_range(r0, sq, sk, window)
+    _, end = _spec.key_range(r1, sq, sk, window)
+    return (begin <= c1) & (c0 < end)
+
+
+def _two_sided(window):
+    """The band ``|i + seqlen_k - seqlen_q - j| < window`` as ``(left, right)``."""
+    return (window - 1, window - 1)
 
 
 def _make(blocks, block_size, sq, sk, causal=False):
@@ -428,8 +434,7 @@ def causal(seqlen_q, seqlen_k, block_size=128):
     """Bottom-right causal attention as a block mask (``causal=True``): the blocks holding any
     key ``j <= i + seqlen_k - seqlen_q``; its element form equals ``causal=True`` exactly."""
     block_size, sq, sk, rows, cols = _geometry(seqlen_q, seqlen_k, block_size)
-    (_, r1), (c0, _) = rows, cols
-    return _make(c0 <= r1 + (sk - sq), block_size, sq, sk, causal=True)
+    return _make(_band_blocks(rows, cols, sq, sk, _spec.CAUSAL), block_size, sq, sk, causal=True)
 
 
 def sliding_window(seqlen_q, seqlen_k, window, block_size=128):
@@ -443,7 +448,7 @@ def sliding_window(seqlen_q, seqlen_k, window, block_size=128):
     """
     window = _check_int("window", window, 1)
     block_size, sq, sk, rows, cols = _geometry(seqlen_q, seqlen_k, block_size)
-    return _make(_band(rows, cols, sq, sk, window), block_size, sq, sk)
+    return _make(_band_blocks(rows, cols, sq, sk, _two_sided(window)), block_size, sq, sk)
 
 
 def strided(seqlen_q, seqlen_k, stride, block_size=128):
@@ -475,7 +480,8 @@ def longformer(seqlen_q, seqlen_k, window, global_blocks, block_size=128):
     window = _check_int("window", window, 1)
     global_blocks = _check_int("global_blocks", global_blocks, 0)
     block_size, sq, sk, rows, cols = _geometry(seqlen_q, seqlen_k, block_size)
-    return _make(_global(_band(rows, cols, sq, sk, window), global_blocks), block_size, sq, sk)
+    blocks = _band_blocks(rows, cols, sq, sk, _two_sided(window))
+    return _make(_global(blocks, global_blocks), block_size, sq, sk)
 
 
 def bigbird(seqlen_q, seqlen_k, window, global_blocks, random_blocks, seed, block_size=128,
@@ -490,7 +496,7 @@ def bigbird(seqlen_q, seqlen_k, window, global_blocks, random_blocks, seed, bloc
     seed = _check_seed(seed)
     nheads = _check_int("nheads", nheads, 1)
     block_size, sq, sk, rows, cols = _geometry(seqlen_q, seqlen_k, block_size)
-    base = _global(_band(rows, cols, sq, sk, window), global_blocks)
+    base = _global(_band_blocks(rows, cols, sq, sk, _two_sided(window)), global_blocks)
     blocks = np.repeat(base[None], nheads, axis=0)
     draw = np.random.default_rng(seed).random(blocks.shape)
     draw[blocks] = np.inf                        # already kept: never drawn

@@ -369,6 +369,39 @@ def test_tile_lists_are_cached():
     assert m.tile_lists(64, 32, False, np) is m.tile_lists(64, 32, True, np)
 
 
+def _fake_cupy(stream):
+    """Just what tile_lists uses of CuPy, on NumPy arrays; ``stream[0]`` is the current
+    stream's pointer."""
+    from types import SimpleNamespace
+    cuda = SimpleNamespace(Device=lambda: SimpleNamespace(id=0),
+                           get_current_stream=lambda: SimpleNamespace(ptr=stream[0]))
+    return SimpleNamespace(__name__="cupy", cuda=cuda, asarray=np.array,
+                           ascontiguousarray=np.ascontiguousarray)
+
+
+def test_device_lists_keep_only_the_most_recently_used_streams():
+    """One device copy per stream, reused on that stream; a caller that moves through ever new
+    streams must not grow the cache without end, and the stream it keeps using stays cached."""
+    m = masks.causal(300, 300, 128)
+    stream = [1]
+    xp = _fake_cupy(stream)
+    kept = m.tile_lists(64, 64, False, xp)
+    assert m.tile_lists(64, 64, False, xp) is kept
+    first_other = None
+    for ptr in range(2, 2 + 3 * masks.DEVICE_LISTS_KEPT):
+        stream[0] = ptr
+        other = m.tile_lists(64, 64, False, xp)
+        first_other = first_other or other
+        assert other is not kept
+        stream[0] = 1
+        assert m.tile_lists(64, 64, False, xp) is kept
+        assert len(m._device_lists) <= masks.DEVICE_LISTS_KEPT
+    stream[0] = 2
+    assert m.tile_lists(64, 64, False, xp) is not first_other, "the oldest copy was kept"
+    np.testing.assert_array_equal(m.tile_lists(64, 64, False, xp).kv_idx,
+                                  m.tile_lists(64, 64, False, np).kv_idx)
+
+
 @pytest.mark.parametrize("tq,tk,match", [(8, 64, "tile_q"), (96, 64, "tile_q"),
                                          (64, 256, "tile_k"), (64, 48, "tile_k")])
 def test_tile_lists_bad_tile_is_value_error(tq, tk, match):
