@@ -116,8 +116,9 @@ _FWD = {
     256: [FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
 }
 _BWD = {
-    32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
-    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2), BwdTile(128, 128, 8, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8), BwdTile(64, 64, 4)],
+    32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8)],
+    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2), BwdTile(128, 128, 8, km=2),
+         BwdTile(128, 64, 8), BwdTile(64, 64, 8)],
     96: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2),
           BwdTile(128, 64, 8, atomic_only=True, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8),

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _config  # noqa: E402
+from cupyflash import _compile, _config  # noqa: E402
 from cupyflash._compile import nvrtc_compile  # noqa: E402
 from cupyflash._launch import kernel_names  # noqa: E402
 
@@ -36,6 +36,24 @@ def names_to_check(arch, filename):
 
 
 CASES = [(arch, f) for arch in ARCHS for f in FILES if names_to_check(arch, f)]
+
+# A local array indexed at run time lives on the stack: ptxas reports a stack frame and no
+# spills.
+STACK_PROBE = r"""
+__global__ void stack_kernel(float* out, int i) {
+    float a[64];
+    for (int j = 0; j < 64; ++j) a[j] = out[j];
+    for (int j = 0; j < 64; ++j) a[(j * i) % 64] += 1.f;
+    for (int j = 0; j < 64; ++j) out[j] = a[j];
+}
+__global__ void register_kernel(float* out) { out[0] = 1.f; }
+"""
+
+
+def local_memory(stats):
+    """The instantiations of ``stats`` (nvrtc_compile's) with spill stores or loads or a
+    stack frame."""
+    return {n: s for n, s in stats.items() if any(s[1:])}
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +87,13 @@ def test_compiles_without_local_memory(ptxas_stats, arch, filename):
     assert not errors, "\n".join(errors)
     names = names_to_check(arch, filename)
     assert set(stats) == set(names), f"ptxas reported no figures for {set(names) - set(stats)}"
-    local = {n: s for n, s in stats.items() if any(s[1:])}
+    local = local_memory(stats)
     assert not local, ("local memory (registers, spill store bytes, spill load bytes, stack "
                        f"frame bytes) on {arch}: {local}")
+
+
+def test_a_stack_frame_is_local_memory(monkeypatch):
+    monkeypatch.setattr(_compile, "source", lambda filename: STACK_PROBE)
+    stats = nvrtc_compile("probe.cu", ["stack_kernel", "register_kernel"], "sm_80")
+    assert set(stats) == {"stack_kernel", "register_kernel"}
+    assert set(local_memory(stats)) == {"stack_kernel"}, stats
