@@ -11,10 +11,15 @@ it to understand them:
 - forward: query blocks of ``BR`` rows, key blocks of ``BC`` keys, online softmax in base 2,
   the output rescaled lazily and normalized once at the end; ``lse = (m + log2(l)) /
   log2(e)`` stored in natural log.
+- dropout (``_Dropout.keep``): after the softmax statistics, the dropped elements of ``P``
+  become 0 before ``P V`` and the output is scaled by ``1 / (1 - p)`` with the normalisation,
+  as FlashAttention 2 does; ``l``, ``m`` and so lse are those of the undropped softmax. The
+  keep bits come from ``cupyflash.dropout``'s generator, tile by tile.
 - backward: ``D = rowsum(dout * out)`` first, then for each key block a loop over the query
-  blocks that see it, recomputing ``P`` from q, k and lse; ``dS`` goes back through the
-  softcap (``1 - tanh**2``), the bias has no gradient. Only tile-sized pieces of the
-  seqlen_q x seqlen_k matrices ever exist.
+  blocks that see it, recomputing ``P`` from q, k and lse (and the keep bits from the seed);
+  ``dV`` takes the dropped, scaled ``P``, ``dP`` is dropped and scaled the same way, ``dS``
+  goes back through the softcap (``1 - tanh**2``), the bias has no gradient. Only tile-sized
+  pieces of the seqlen_q x seqlen_k matrices ever exist.
 
 Which key blocks a query block visits is decided in one place, ``key_blocks``: those that
 meet the band (causal, window) of some row, partial where the band's edge crosses them; a
@@ -30,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _spec
+from . import _spec, dropout
 from ._config import LOG2E, lse_dtype
 
 BR = 64                 # query rows per tile
@@ -165,24 +170,55 @@ def _scores(q, k, scale, spec, alibi_slopes):
     return _Scores(q.shape[1], k.shape[1], scale, spec.window, spec.softcap, slopes)
 
 
+class _Dropout(NamedTuple):
+    """Dropout of the attention weights (after the softmax), keyed like the kernels' by
+    (batch, query head, row, column), so that forward and backward find the same bits."""
+    dropout_p: float
+    seed: int
+    offset: int
+    bh: object              # int64 (batch, nheads_k, group): b * nheads + query head
+
+    @property
+    def rescale(self):
+        return 1.0 / (1.0 - self.dropout_p)
+
+    def keep(self, r0, r1, c0, c1):
+        """Bool (batch, nheads_k, group, r1 - r0, c1 - c0): the kept elements of the tile."""
+        return dropout.keep(self.bh, np.arange(r0, r1), np.arange(c0, c1),
+                            self.dropout_p, self.seed, self.offset)
+
+    def heads(self, kv_heads, group):
+        return self._replace(bh=self.bh[:, kv_heads, group])
+
+
+def _dropout(q, k, spec, seed, offset):
+    """The call's ``_Dropout`` (with p = 0 the loops skip it). Query head ``h = kv_head *
+    group + index``: (b, nheads) reshaped to the grouped layout."""
+    b, _, h, _ = q.shape
+    bh = np.arange(b * h, dtype=np.int64).reshape(b, k.shape[2], h // k.shape[2])
+    return _Dropout(spec.dropout, seed, offset, bh)
+
+
 # NaN and infinity in the inputs flow through as the arithmetic gives them (api.py's
 # flash_attention docstring): NumPy's warnings about them are not the caller's business.
 _IEEE = dict(invalid="ignore", over="ignore", divide="ignore")
 
 
 @np.errstate(**_IEEE)
-def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None):
+def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None, seed=None, offset=0):
     """Returns ``(out, lse)``: out like q in q's dtype, lse (batch, nheads, seqlen_q) in
     natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key.
 
     ``spec`` is the call's ``_spec.CallSpec`` (its band has the mask's own causal folded in);
-    ``alibi_slopes`` the validated NumPy slopes when ``spec.alibi``. With ``block_mask`` (a
-    ``BlockMask`` whose geometry was checked), the tiles are the mask's blocks and each query
-    block visits only its listed key blocks."""
+    ``alibi_slopes`` the validated NumPy slopes when ``spec.alibi``; ``seed`` and ``offset``
+    the generator's when ``spec.dropout`` > 0. With ``block_mask`` (a ``BlockMask`` whose
+    geometry was checked), the tiles are the mask's blocks and each query block visits only
+    its listed key blocks."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
     scores = _scores(q, k, scale, spec, alibi_slopes)
+    drop = _dropout(q, k, spec, seed, offset)
     if block_mask is None:
         br, bc = BR, BC
         kv_lists = [[key_blocks(i, sq, sk, spec.window) for i in range(-(-sq // BR))]]
@@ -194,13 +230,15 @@ def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None):
     for mask_head, kv_heads, group in _head_groups(block_mask, h, hk):
         out[:, kv_heads, group], lse[:, kv_heads, group] = _forward_tiles(
             q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads],
-            scores.heads(kv_heads, group), kv_lists[mask_head], br, bc)
+            scores.heads(kv_heads, group), drop.heads(kv_heads, group),
+            kv_lists[mask_head], br, bc)
     return _ungrouped(out, q.dtype), lse.reshape(b, h, sq).astype(lse_dtype(q.dtype))
 
 
-def _forward_tiles(q64, k64, v64, scores, kv_list, br, bc):
+def _forward_tiles(q64, k64, v64, scores, drop, kv_list, br, bc):
     """The forward loop over query tiles of ``br`` rows, each visiting the key tiles of
-    ``bc`` keys in ``kv_list[query_tile]``. Grouped float64 layout in, (out, lse) out."""
+    ``bc`` keys in ``kv_list[query_tile]``, with dropout ``drop`` (a ``_Dropout``).
+    Grouped float64 layout in, (out, lse) out."""
     sq, sk = scores.seqlen_q, scores.seqlen_k
     out = np.zeros(q64.shape, np.float64)
     lse = np.full(q64.shape[:-1], -np.inf)
@@ -221,23 +259,29 @@ def _forward_tiles(q64, k64, v64, scores, kv_list, br, bc):
             p = np.exp2(s - m_safe[..., None])
             alpha = np.exp2(m - m_safe)               # rescales what was summed so far
             l = alpha * l + p.sum(axis=-1)
+            if drop.dropout_p:
+                # Only P V sees the dropout; l keeps the undropped sum (lse is unchanged).
+                p = np.where(drop.keep(r0, r1, c0, c1), p, 0.0)
             acc = alpha[..., None] * acc + p @ v_t
             m = m_new
         # Only a sum of exactly 0 means no visible key: a NaN sum (NaN in q or k, or a +inf
         # score) must stay NaN, as the kernels keep it, not turn into an empty row.
         empty = l == 0
         l_safe = np.where(empty, 1.0, l)
-        out[..., r0:r1, :] = np.where(empty[..., None], 0.0, acc / l_safe[..., None])
+        # Dropout's 1 / (1 - p) on the kept weights is folded into the normalisation.
+        norm = l_safe * (1.0 - drop.dropout_p) if drop.dropout_p else l_safe
+        out[..., r0:r1, :] = np.where(empty[..., None], 0.0, acc / norm[..., None])
         lse[..., r0:r1] = np.where(empty, -np.inf, (m + np.log2(l_safe)) / LOG2E)
     return out, lse
 
 
 @np.errstate(**_IEEE)
-def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None):
+def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None,
+             seed=None, offset=0):
     """Returns ``(dq, dk, dv)`` shaped and typed like q, k and v (dk, dv summed over the
-    query heads of each group). ``spec``, ``block_mask`` and ``alibi_slopes`` as in
-    ``forward``: each key block loops over the query blocks that visit it (the mask's
-    transposed lists with a mask)."""
+    query heads of each group). ``spec``, ``block_mask``, ``alibi_slopes``, ``seed`` and
+    ``offset`` as in ``forward``: each key block loops over the query blocks that visit it
+    (the mask's transposed lists with a mask)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -248,6 +292,7 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes
     # Rows that saw no key (lse = -inf) get P = exp2(s - inf) = 0 instead of inf or NaN.
     lse_log2 = np.where(np.isneginf(lse64), np.inf, lse64 * LOG2E)
     scores = _scores(q, k, scale, spec, alibi_slopes)
+    drop = _dropout(q, k, spec, seed, offset)
     if block_mask is None:
         br, bc = BR, BC
         q_lists = [query_blocks(sq, sk, spec.window)]
@@ -261,7 +306,8 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes
         dq_h, dk_h, dv_h = _backward_tiles(
             q64[:, kv_heads, group], k64[:, kv_heads], v64[:, kv_heads],
             do64[:, kv_heads, group], dsum[:, kv_heads, group], lse_log2[:, kv_heads, group],
-            scores.heads(kv_heads, group), q_lists[mask_head], br, bc)
+            scores.heads(kv_heads, group), drop.heads(kv_heads, group),
+            q_lists[mask_head], br, bc)
         dq[:, kv_heads, group] = dq_h
         dk[:, kv_heads] += dk_h                       # per-head masks: summed head by head
         dv[:, kv_heads] += dv_h
@@ -270,10 +316,10 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes
     return _ungrouped(dq, q.dtype), dk, dv
 
 
-def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scores, q_list, br, bc):
+def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scores, drop, q_list, br, bc):
     """The backward loop: for each key tile ``j`` of ``bc`` keys, the query tiles of ``br``
-    rows in ``q_list[j]``. Returns dq (grouped) and dk, dv (b, nheads_k, seqlen_k, d), summed
-    over the group."""
+    rows in ``q_list[j]``, with dropout ``drop`` (a ``_Dropout``). Returns dq
+    (grouped) and dk, dv (b, nheads_k, seqlen_k, d), summed over the group."""
     sq, sk, scale = scores.seqlen_q, scores.seqlen_k, scores.scale
     b, hk, _, _, d = q64.shape
     dq = np.zeros(q64.shape)
@@ -289,8 +335,15 @@ def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scores, q_list, br, bc)
             q_t, do_t = q64[..., r0:r1, :], do64[..., r0:r1, :]
             s, t = scores.tile(q_t, k_t, r0, r1, c0, c1, partial)
             p = np.exp2(s - lse_log2[..., r0:r1, None])
-            dv_t += (p.swapaxes(-1, -2) @ do_t).sum(axis=2)     # summed over the group
             dp = do_t @ v_t.swapaxes(-1, -2)
+            p_out = p
+            if drop.dropout_p:
+                # out = (P * keep / (1 - dropout_p)) V: dV takes that product, and dP its factor
+                # (D, from the dropped out, is consistent with it).
+                kept = drop.keep(r0, r1, c0, c1)
+                p_out = np.where(kept, p * drop.rescale, 0.0)
+                dp = np.where(kept, dp * drop.rescale, 0.0)
+            dv_t += (p_out.swapaxes(-1, -2) @ do_t).sum(axis=2)     # summed over the group
             ds = p * (dp - dsum[..., r0:r1, None])    # d loss / d score (natural units)
             if t is not None:
                 # Through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - tanh**2; the

@@ -2,8 +2,9 @@
 
 The arrays arrive as all NumPy or all CuPy (``_arrays.as_backend`` ran first). Every error
 names the argument, says what was expected and what was given, with NumPy's exception types:
-TypeError for dtypes and for a softmax_scale, softcap or window_size that is not a number
-(or pair of integers), ValueError for shapes, strides, devices and values.
+TypeError for dtypes and for a softmax_scale, softcap, dropout_p, window_size, seed or offset
+that is not a number (or pair of integers, or integer), ValueError for shapes, strides,
+devices and values.
 """
 import math
 import numbers
@@ -223,6 +224,28 @@ def check_alibi_slopes(alibi_slopes, q):
                          f"= ({h},) or (batch, nheads) = ({b}, {h})")
     _check_last_dim_contiguous({"alibi_slopes": alibi_slopes})
     _check_devices({"q": q, "alibi_slopes": alibi_slopes})
+
+
+def check_dropout(dropout_p, seed, offset, seed_required=False):
+    """``(dropout_p, seed, offset)`` as (float, int or None, int): ``dropout_p`` in [0, 1),
+    ``seed`` an integer in [0, 2**64) (uint64 key of the generator), ``offset`` in [0, 2**32).
+    ``seed`` None is allowed only where ``dropout_p`` is 0 (unless ``seed_required``): a
+    seed drawn silently could not be given to the backward, which must regenerate the mask."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got "
+                        f"{type(dropout_p).__name__} {_short_repr(dropout_p)}")
+    dropout_p = float(dropout_p)
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if seed is None:
+        if dropout_p > 0 or seed_required:
+            raise ValueError(f"seed must be given (an integer in [0, 2**64)) with dropout_p "
+                             f"{dropout_p!r}: the backward needs the same seed and offset to "
+                             f"regenerate the mask, so none is drawn implicitly")
+    else:
+        seed = check_int("seed", seed, 0, 2**64 - 1)
+    offset = check_int("offset", offset, 0, 2**32 - 1)
+    return dropout_p, seed, offset
 
 
 def _is_cupy(a):

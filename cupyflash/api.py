@@ -7,7 +7,8 @@ from . import _arrays, _config, _spec, _validate
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, block_mask=None, return_lse=False):
+                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                    block_mask=None, return_lse=False):
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
     Parameters
@@ -58,6 +59,21 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         score of query ``i`` and key ``j``. Order of the score's steps, as in FlashAttention
         2: ``q.k * softmax_scale``, softcap, ALiBi bias, then the masks (causal, window,
         block mask) and the softmax.
+    dropout_p : float
+        In ``[0, 1)``. Dropout of the attention weights as in FlashAttention 2: ``out =
+        (softmax(s) * keep / (1 - dropout_p)) v`` with ``keep`` a Bernoulli(1 - dropout_p)
+        mask per (batch, head, query, key), generated on the fly from ``seed`` and
+        ``offset`` and never stored; ``cupyflash.dropout_mask`` returns it. lse is that of
+        the softmax before dropout. 0 (the default) is no dropout and costs nothing. NumPy
+        path only for now: GPU inputs (CuPy, or device arrays through DLPack) with
+        ``dropout_p > 0`` raise NotImplementedError.
+    seed : int, optional
+        In ``[0, 2**64)``, the key of the generator (Philox4x32-10). Required when
+        ``dropout_p > 0``: none is drawn implicitly, because the backward must be given the
+        same seed to regenerate the same mask (ValueError without one).
+    offset : int
+        In ``[0, 2**32)``: another stream of bits under the same seed, e.g. one per training
+        step or per layer.
     block_mask : BlockMask, optional
         Block-sparse attention: only the kept blocks are visited (masked-out blocks cost no
         memory traffic and no math). The result equals dense attention with the element mask
@@ -94,14 +110,16 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     causal = _validate.check_flag("causal", causal)
     return_lse = _validate.check_flag("return_lse", return_lse)
     window_size = _validate.check_window_size(window_size, block_mask)
+    dropout_p, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
     (q, k, v), alibi_slopes, kind, xp = _as_backend((q, k, v), ("q", "k", "v"), alibi_slopes)
     _validate.check_forward(q, k, v, softmax_scale)
     spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                             block_mask)
+                             dropout_p, block_mask)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
-            out, lse = _numpy_backend.forward(q, k, v, scale, spec, block_mask, alibi_slopes)
+            out, lse = _numpy_backend.forward(q, k, v, scale, spec, block_mask, alibi_slopes,
+                                              seed, offset)
         else:
             out, lse = _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes)
         out = _arrays.to_caller(out, kind)
@@ -110,18 +128,21 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             block_mask=None, deterministic=False):
+                             dropout_p=0.0, seed=None, offset=0, block_mask=None,
+                             deterministic=False):
     """Gradients of ``flash_attention`` with respect to q, k and v.
 
     Parameters
     ----------
     dout : array like ``out``, the gradient of the loss with respect to ``out``.
     q, k, v, out, lse : the forward's inputs, output and lse (``return_lse=True``).
-    causal, softmax_scale, window_size, softcap, alibi_slopes, block_mask
+    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, offset, block_mask
         Exactly as given to the forward that made ``out`` and ``lse``. Nothing records
         them there, so they cannot be checked: other values give wrong gradients, silently.
         The gradient goes through the softcap (``1 - tanh(s / softcap)**2``); the ALiBi
-        slopes are constants (no gradient).
+        slopes are constants (no gradient). With dropout the mask is regenerated from
+        ``seed`` and ``offset`` (never stored): ``dv = (P * keep / (1 - dropout_p))^T
+        dout``, and ``dP = dout v^T`` is dropped and scaled the same way.
     deterministic : bool
         Compute dq in its own query-block-parallel pass instead of adding it up with
         atomics, so that repeated calls give bit-identical dq (a little slower).
@@ -134,18 +155,19 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     causal = _validate.check_flag("causal", causal)
     deterministic = _validate.check_flag("deterministic", deterministic)
     window_size = _validate.check_window_size(window_size, block_mask)
+    dropout_p, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
     names = ("dout", "q", "k", "v", "out", "lse")
     arrays, alibi_slopes, kind, xp = _as_backend((dout, q, k, v, out, lse), names,
                                                  alibi_slopes)
     dout, q, k, v, out, lse = arrays
     _validate.check_backward(dout, q, k, v, out, lse, softmax_scale)
     spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                             block_mask)
+                             dropout_p, block_mask)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
             grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, spec, block_mask,
-                                            alibi_slopes)
+                                            alibi_slopes, seed, offset)
         else:
             grads = _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask,
                                   alibi_slopes, deterministic)
@@ -162,7 +184,8 @@ def _as_backend(arrays, names, alibi_slopes):
     return converted[:-1], converted[-1], kind, xp
 
 
-def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, block_mask):
+def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+               block_mask):
     """Checks the rest of the call against q and k; returns its CallSpec and softmax scale."""
     scale = _scale(softmax_scale, q.shape[-1])
     softcap = _validate.check_softcap(softcap, q.dtype)
@@ -171,7 +194,8 @@ def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, 
         _validate.check_block_mask(block_mask, q, k)
         causal = causal or block_mask.causal
     spec = _spec.CallSpec.of(q, causal=causal, window_size=window_size, softcap=softcap,
-                             alibi_slopes=alibi_slopes, block_mask=block_mask)
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                             block_mask=block_mask)
     return spec, scale
 
 
@@ -179,10 +203,19 @@ def _scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
+def _refuse_gpu_dropout(spec):
+    """Before anything is allocated: the kernels have no dropout yet."""
+    if spec.dropout:
+        raise NotImplementedError(
+            f"dropout has no GPU kernels yet (dropout_p={spec.dropout!r}); pass NumPy arrays "
+            f"to run the NumPy path, or dropout_p=0")
+
+
 def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes):
     """Runs inside the caller's device and stream (``_arrays.launch_context``)."""
     import cupy as cp
     from . import _launch
+    _refuse_gpu_dropout(spec)
     _launch.check_supported(spec, block_mask)
     b, sq, h, _ = q.shape
     out = cp.empty(q.shape, q.dtype)
@@ -195,6 +228,7 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
                   deterministic):
     import cupy as cp
     from . import _launch
+    _refuse_gpu_dropout(spec)
     _launch.check_supported(spec, block_mask)
     b, sq, h, _ = q.shape
     dq = cp.empty(q.shape, q.dtype)

@@ -12,7 +12,8 @@ Not supported (each raises TypeError naming the argument): ``jax.jit``, ``vmap``
 function tracers instead of concrete arrays; the kernels are not registered with XLA. Also
 not supported: forward-mode (``jax.jvp``, ``jax.jacfwd``), higher-order gradients, and
 gradients with respect to ``softmax_scale``, ``softcap`` and ``alibi_slopes`` (constants of
-the call).
+the call). Dropout takes an explicit ``seed`` (not a JAX PRNG key): the backward regenerates
+the forward's mask from it.
 
 Streams: JAX has no user-visible stream. The kernels run on CuPy's current stream; JAX's
 pending writes of the inputs are ordered before them, and JAX's later reads of the results
@@ -33,7 +34,8 @@ __all__ = ["flash_attention"]
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None, *,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                    seed=None, offset=0):
     """``cupyflash.flash_attention`` for JAX arrays, differentiable with ``jax.grad``.
 
     Parameters
@@ -42,9 +44,10 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None, 
     k, v : jax.Array, (batch, seqlen_k, nheads_k, headdim)
         float16, bfloat16, float32 (or float64 with ``jax_enable_x64``), on one GPU (or the
         CPU, where the NumPy path runs). Concrete arrays only: not under ``jax.jit``.
-    causal, softmax_scale, block_mask, window_size, softcap, alibi_slopes
+    causal, softmax_scale, block_mask, window_size, softcap, alibi_slopes, dropout_p, seed, offset
         As in ``cupyflash.flash_attention``; fixed for the call (not differentiated).
-        ``alibi_slopes`` a concrete float32 JAX array on q's device.
+        ``alibi_slopes`` a concrete float32 JAX array on q's device; ``seed`` a Python int,
+        required with ``dropout_p > 0``.
 
     Returns
     -------
@@ -59,7 +62,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None, 
     causal = _validate.check_flag("causal", causal)
     return _differentiable(dict(causal=causal, softmax_scale=softmax_scale,
                                 window_size=window_size, softcap=softcap,
-                                alibi_slopes=alibi_slopes, block_mask=block_mask))(q, k, v)
+                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                                offset=offset, block_mask=block_mask))(q, k, v)
 
 
 def _differentiable(options):

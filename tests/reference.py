@@ -8,6 +8,10 @@ Every function works on NumPy or CuPy arrays alike (``xp`` is taken from the inp
   dtype gives (each stage computed in float32 from operands rounded to that dtype, its result
   rounded to it), i.e. how far a same-dtype standard attention lands from the truth.
 - ``assert_rule``: FlashAttention's rule, our error <= factor * the naive error + tiny slack.
+
+Dropout enters each of them as ``dropout``: the multiplier ``keep / (1 - dropout_p)``, (batch,
+nheads, seqlen_q, seqlen_k), ``keep`` the public ``cupyflash.dropout_mask`` (``dropout_scale``
+builds it); it multiplies P after the softmax (lse is that of the undropped softmax).
 """
 import numpy as np
 
@@ -167,10 +171,11 @@ def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
     return s, dcap
 
 
-def attention_ref(q, k, v, scale, causal, mask=None, **variant):
+def attention_ref(q, k, v, scale, causal, mask=None, dropout=None, **variant):
     """Full-matrix attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq).
     ``mask``: optional element mask, bool (h or 1, sq, sk), True where visible (e.g.
-    ``BlockMask.to_dense()``), ANDed with causal. ``variant``: ``window_size``, ``softcap``,
+    ``BlockMask.to_dense()``), ANDed with causal. ``dropout``: the multiplier of P
+    (``dropout_scale``) or None. ``variant``: ``window_size``, ``softcap``,
     ``alibi_slopes`` with ``flash_attention``'s meaning (see ``_scores``)."""
     xp = get_xp(q, k, v)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
@@ -178,29 +183,46 @@ def attention_ref(q, k, v, scale, causal, mask=None, **variant):
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     s, _ = _scores(q, k, scale, causal, mask, **_float64(variant, xp))
     p, lse = _softmax(s, xp)
+    if dropout is not None:
+        p = p * dropout
     out = _einsum("bhij,bjhd->bihd", p, v)
     return out, lse
 
 
-def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, **variant):
+def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None, **variant):
     """Gradients of ``attention_ref`` in float64, by the explicit formulas on the full matrix:
     dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), times the cap's derivative
     with softcap (the ALiBi bias is a constant), dQ = dS K * scale, dK = dS^T Q * scale; dk
-    and dv summed over the query heads of each group."""
+    and dv summed over the query heads of each group. With ``dropout`` (the multiplier Z):
+    dV = (P Z)^T dO, and dP = (dO V^T) Z in dS (whose rowsum(P dP) is then rowsum(dO * O))."""
     xp = get_xp(dout, q, k, v)
     dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
     h, hk = q.shape[2], k.shape[2]
     k_h, v_h = _repeat_kv(k, h), _repeat_kv(v, h)
     s, dcap = _scores(q, k_h, scale, causal, mask, **_float64(variant, xp))
     p, _ = _softmax(s, xp)
-    dv = _einsum("bhij,bihd->bjhd", p, dout)
     dp = _einsum("bihd,bjhd->bhij", dout, v_h)
+    if dropout is None:
+        dv = _einsum("bhij,bihd->bjhd", p, dout)
+    else:
+        dv = _einsum("bhij,bihd->bjhd", p * dropout, dout)
+        dp = dp * dropout
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
     if dcap is not None:
         ds = ds * dcap
     dq = _einsum("bhij,bjhd->bihd", ds, k_h) * scale
     dk = _einsum("bhij,bihd->bjhd", ds, q) * scale
     return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
+
+
+def dropout_scale(xp, batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
+    """The ``dropout`` multiplier of a call, ``keep / (1 - dropout_p)`` in float64, from the
+    public keep-mask; None for ``dropout_p == 0``."""
+    if not dropout_p:
+        return None
+    import cupyflash as cf
+    keep = cf.dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset, xp=xp)
+    return keep / (1.0 - dropout_p)
 
 
 def _float64(variant, xp):
@@ -227,25 +249,33 @@ def _naive_probs(q, k, scale, causal, dtype, mask=None, **variant):
     return q, k_h, round_to(p, dtype), round_to(lse, dtype), dcap
 
 
-def attention_naive(q, k, v, scale, causal, dtype, mask=None, **variant):
-    """Standard attention as a naive ``dtype`` implementation computes it (S, P and O each
-    rounded to ``dtype``). Returns (out, lse) as float32 (float64 for "float64")."""
+def attention_naive(q, k, v, scale, causal, dtype, mask=None, dropout=None, **variant):
+    """Standard attention as a naive ``dtype`` implementation computes it (S, P, the dropped
+    P and O each rounded to ``dtype``). Returns (out, lse) as float32 (float64 for
+    "float64")."""
     _, _, p, lse, _ = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
+    if dropout is not None:
+        p = round_to(p * dropout, dtype)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
     out = round_to(_einsum("bhij,bjhd->bihd", p, v_h), dtype)
     return out, lse
 
 
-def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None, **variant):
+def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None, dropout=None,
+                             **variant):
     """Gradients as a naive ``dtype`` implementation computes them: P recomputed as in
-    ``attention_naive``, then dV, dP, dS (through the cap), dQ and dK each computed in
-    float32 from rounded operands and rounded to ``dtype``. Returns (dq, dk, dv)."""
+    ``attention_naive``, then dV, dP (dropped), dS (through the cap), dQ and dK each
+    computed in float32 from rounded operands and rounded to ``dtype``. Returns (dq, dk,
+    dv)."""
     hk = k.shape[2]
     q, k_h, p, _, dcap = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
     dout = round_to(dout, dtype)
-    dv = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", p, dout), hk), dtype)
+    p_out = p if dropout is None else round_to(p * dropout, dtype)
+    dv = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", p_out, dout), hk), dtype)
     dp = round_to(_einsum("bihd,bjhd->bhij", dout, v_h), dtype)
+    if dropout is not None:
+        dp = round_to(dp * dropout, dtype)
     ds = round_to(p * (dp - (p * dp).sum(axis=-1, keepdims=True)), dtype)
     if dcap is not None:
         ds = round_to(ds * dcap, dtype)

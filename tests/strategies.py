@@ -1,10 +1,12 @@
 """Hypothesis strategies for fuzzing cupyflash, built around one frozen description of a call.
 
 A ``Case`` holds everything a call and its check need (dtype, shape, causal, softmax_scale,
-window_size, softcap, ALiBi, memory layout, block mask, deterministic flag and the seed of the
-random inputs) as plain values, so that its repr is a complete, runnable reproducer:
-``Case(...).inputs(np)`` gives the same arrays every time, ``Case(...).block_mask()`` the same
-mask, ``Case(...).variant(np)`` the same variant keywords (ALiBi slopes included).
+window_size, softcap, ALiBi, dropout, memory layout, block mask, deterministic flag and the
+seed of the random inputs) as plain values, so that its repr is a complete, runnable
+reproducer: ``Case(...).inputs(np)`` gives the same arrays every time,
+``Case(...).block_mask()`` the same mask, ``Case(...).variant(np)`` the same variant keywords
+(ALiBi slopes included), ``Case(...).dropout`` the dropout keywords and
+``Case(...).dropout_scale(np)`` the reference's dropout multiplier.
 
 Strategies are small pieces that a test composes::
 
@@ -17,8 +19,8 @@ Strategies are small pieces that a test composes::
 A new call feature (dropout, ...) becomes one more field of ``Case`` with a default that turns
 it off, one more keyword of ``cases`` whose default draws that value, and whatever the feature
 needs in ``inputs``/``block_mask``/``variant``; existing tests keep drawing the same cases
-(``window_size``, ``softcap`` and ``alibi`` came in this way: ``windows``, ``softcaps``,
-``alibis``).
+(``window_size``, ``softcap``, ``alibi`` and ``dropout`` came in this way: ``windows``,
+``softcaps``, ``alibis``, ``dropouts``).
 
 Helpers shared by the fuzz tests live here too: ``Case.visibility`` (which query rows and keys
 see nothing), ``assert_zero_where_unseen`` (exact zeros there), the settings profiles and the
@@ -37,9 +39,9 @@ import cupyflash as cf
 from cupyflash import masks
 
 try:
-    from reference import get_xp, np_dtype, random_array, visible
+    from reference import dropout_scale, get_xp, np_dtype, random_array, visible
 except ImportError:
-    from tests.reference import get_xp, np_dtype, random_array, visible
+    from tests.reference import dropout_scale, get_xp, np_dtype, random_array, visible
 
 # The keys gpu_checks.DTYPES uses, and the dtype each stands for.
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
@@ -147,6 +149,24 @@ class MaskSpec:
 
 
 @dataclass(frozen=True)
+class Dropout:
+    """A call's dropout: probability ``p`` (0: off) and the generator's ``seed`` and
+    ``offset``."""
+    p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+
+    def keywords(self):
+        """The keywords of flash_attention and flash_attention_backward."""
+        return dict(dropout_p=self.p, seed=self.seed, offset=self.offset)
+
+    def scale(self, xp, batch, nheads, seqlen_q, seqlen_k):
+        """tests/reference.py's ``dropout`` multiplier (None without dropout)."""
+        return dropout_scale(xp, batch, nheads, seqlen_q, seqlen_k, self.p, self.seed,
+                             self.offset)
+
+
+@dataclass(frozen=True)
 class Case:
     """One call: its dtype (a key of ``DTYPE_NAMES``), sizes, flags, layout, mask and the seed
     of its random inputs. The field names are the ones tests/gpu_checks.py reads."""
@@ -162,6 +182,7 @@ class Case:
     window_size: tuple = (-1, -1)
     softcap: float = 0.0
     alibi: Optional[str] = None     # None, "heads" ((nheads,) slopes) or "batch" ((batch, nheads))
+    dropout: Dropout = Dropout()
     layout: Layout = Layout()
     mask: Optional[MaskSpec] = None
     deterministic: bool = False
@@ -193,6 +214,10 @@ class Case:
         tests/reference.py's functions), the slopes as ``xp`` arrays."""
         return dict(window_size=self.window_size, softcap=self.softcap,
                     alibi_slopes=self.alibi_slopes(xp))
+
+    def dropout_scale(self, xp):
+        """The reference's ``dropout`` multiplier of this case, or None."""
+        return self.dropout.scale(xp, self.batch, self.nheads, self.sq, self.sk)
 
     def inputs(self, xp):
         """q, k, v and dout of this case (NumPy or CuPy), laid out as ``self.layout`` says,
@@ -355,6 +380,15 @@ def alibis():
     return st.sampled_from((None, None, "heads", "batch"))
 
 
+def dropouts():
+    """No dropout half the time, else a probability from tiny to most keys dropped, with any
+    seed and offset (both ends of their ranges among them)."""
+    p = st.one_of(st.sampled_from((0.1, 0.5)), st.floats(1e-3, 0.95))
+    seed = st.one_of(st.sampled_from((0, 2**64 - 1)), st.integers(0, 2**64 - 1))
+    offset = st.one_of(st.sampled_from((0, 2**32 - 1)), st.integers(0, 2**32 - 1))
+    return st.one_of(st.just(Dropout()), st.builds(Dropout, p, seed, offset))
+
+
 def no_mask(shape):
     return st.none()
 
@@ -399,19 +433,21 @@ def input_seeds():
 
 @st.composite
 def cases(draw, *, dtype, shape, causal=st.booleans(), softmax_scale=softmax_scales,
-          window=no_window, softcap=st.just(0.0), alibi=st.just(None), layout=layouts,
-          mask=no_mask, deterministic=st.booleans()):
+          window=no_window, softcap=st.just(0.0), alibi=st.just(None),
+          dropout=st.just(Dropout()), layout=layouts, mask=no_mask, deterministic=st.booleans()):
     """A Case. ``dtype``, ``shape``, ``causal``, ``softcap`` (``softcaps``), ``alibi``
-    (``alibis``) and ``deterministic`` are strategies; ``softmax_scale``, ``window``,
-    ``layout`` and ``mask`` are functions of the drawn Shape that return strategies
-    (``no_mask``, ``block_masks``, ``maybe_block_masks``; ``no_window``, ``windows``,
-    ``maybe_windows``, never with a mask: the call refuses the two together; ``layouts``, or
-    e.g. ``lambda s: layouts(s, kinds=("contiguous",))``; ``softmax_scales``)."""
+    (``alibis``), ``dropout`` (``dropouts``) and ``deterministic`` are strategies;
+    ``softmax_scale``, ``window``, ``layout`` and ``mask`` are functions of the drawn Shape
+    that return strategies (``no_mask``, ``block_masks``, ``maybe_block_masks``;
+    ``no_window``, ``windows``, ``maybe_windows``, never with a mask: the call refuses the two
+    together; ``layouts``, or e.g. ``lambda s: layouts(s, kinds=("contiguous",))``;
+    ``softmax_scales``)."""
     s = draw(shape)
     return Case(dtype=draw(dtype), **dataclasses.asdict(s), causal=draw(causal),
                 softmax_scale=draw(softmax_scale(s)), window_size=draw(window(s)),
-                softcap=draw(softcap), alibi=draw(alibi), layout=draw(layout(s)),
-                mask=draw(mask(s)), deterministic=draw(deterministic), seed=draw(input_seeds()))
+                softcap=draw(softcap), alibi=draw(alibi), dropout=draw(dropout),
+                layout=draw(layout(s)), mask=draw(mask(s)), deterministic=draw(deterministic),
+                seed=draw(input_seeds()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ attention (with ``block_mask.to_dense()`` as the element mask):
 Cases (tests/strategies.py) cover batch, seqlen_q and seqlen_k 1..300 (tile edges 63/64/65,
 127/128/129, 255/256/257, unequal both ways), GQA/MQA, head dims 1..256, float64 and float32,
 causal, window_size (dense only: the call refuses it with a block mask), softcap, ALiBi slopes
-per head or per (batch, head), packed and padded strided layouts, an explicit softmax_scale,
+per head or per (batch, head), dropout (the reference applies the public keep-mask), packed and padded strided layouts, an explicit softmax_scale,
 block masks of every builder (block sizes 64/128 per side, shared or per head, with or without
 the mask's own causal) and the deterministic flag, under a work budget that keeps the NumPy
 loops fast.
@@ -46,15 +46,15 @@ try:
     from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
                            attention_ref, attention_ref_backward)
     from strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
-                            assert_zero_where_unseen, block_masks, cases, layouts,
+                            assert_zero_where_unseen, block_masks, cases, dropouts, layouts,
                             maybe_windows, shapes, softcaps)
 except ImportError:
     from tests.reference import (assert_rule, attention_naive,  # noqa: E402
                                  attention_naive_backward, attention_ref,
                                  attention_ref_backward)
     from tests.strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
-                                  assert_zero_where_unseen, block_masks, cases, layouts,
-                                  maybe_windows, shapes, softcaps)
+                                  assert_zero_where_unseen, block_masks, cases, dropouts,
+                                  layouts, maybe_windows, shapes, softcaps)
 
 F64_REL = 1e-12
 FWD_FACTOR, BWD_FACTOR = 2, 3
@@ -93,7 +93,7 @@ def check_case(case):
     mask = case.block_mask()
     variant = case.variant(np)
     call = dict(causal=case.causal, softmax_scale=case.softmax_scale, block_mask=mask,
-                **variant)
+                **variant, **case.dropout.keywords())
     # Underflow (exp of a very negative score) is ordinary; NaN, inf and division by zero
     # are not.
     with np.errstate(divide="raise", over="raise", invalid="raise"):
@@ -101,6 +101,7 @@ def check_case(case):
         grads = cf.flash_attention_backward(dout, q, k, v, out, lse,
                                             deterministic=case.deterministic, **call)
     elem = None if mask is None else mask.to_dense()
+    variant["dropout"] = case.dropout_scale(np)
     ref_out, ref_lse = attention_ref(q, k, v, case.scale, case.causal, elem, **variant)
     ref_grads = attention_ref_backward(dout, q, k, v, case.scale, case.causal, elem, **variant)
 
@@ -144,13 +145,13 @@ def _checked(case, family):
 
 @settings(FUZZ_PROFILE, max_examples=DENSE_EXAMPLES)
 @given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), window=maybe_windows,
-             softcap=softcaps(), alibi=alibis(), layout=layouts))
+             softcap=softcaps(), alibi=alibis(), dropout=dropouts(), layout=layouts))
 def test_numpy_path_dense_matches_reference(case):
     _checked(case, "dense")
 
 
 @settings(FUZZ_PROFILE, max_examples=SPARSE_EXAMPLES)
 @given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), softcap=softcaps(),
-             alibi=alibis(), layout=layouts, mask=block_masks))
+             alibi=alibis(), dropout=dropouts(), layout=layouts, mask=block_masks))
 def test_numpy_path_block_sparse_matches_reference(case):
     _checked(case, "block_sparse")

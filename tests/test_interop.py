@@ -743,7 +743,7 @@ def _readme_blocks():
 
 
 # The README's examples of the variant keywords run on NumPy arrays, like its NumPy example.
-HOST_EXAMPLES = ("numpy", "window_size", "softcap", "alibi_slopes")
+HOST_EXAMPLES = ("numpy", "window_size", "softcap", "alibi_slopes", "dropout")
 
 
 def _needs(framework):
