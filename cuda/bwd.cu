@@ -12,6 +12,7 @@
 #include "seqinfo.cuh"
 #include "mask.cuh"
 #include "block_iter.cuh"
+#include "score_mod.cuh"
 
 // Row `row` of head h of a row statistic (lse, D, lse in log2 units).
 template <typename Acc>
@@ -19,7 +20,7 @@ __device__ __forceinline__ Acc* stat_ptr(const void* base, const SeqInfo<BwdPara
     return static_cast<Acc*>(const_cast<void*>(base)) + seq.stat(h, row);
 }
 
-// lse in log2 units for exp2(s * scale_log2 - lse2); a row that saw no key (lse = -inf) gets
+// lse in log2 units for exp2(s * mult - lse2); a row that saw no key (lse = -inf) gets
 // +inf, so that its probabilities are exactly 0.
 __device__ __forceinline__ float lse_log2(float lse) {
     return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
@@ -240,6 +241,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams> seq(p, at.batch);
     const Mask<V, BwdParams> mask(p);
+    ScoreMod<V, BwdParams> mod(p);
     const int hk = at.head, n_tile = at.tile;
     const int col0 = n_tile * Bc;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -247,7 +249,6 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const int qw = warp / WK;
     const int key0 = (warp % WK) * 16 * KM;   // the warp's first key in the block
     const bool vec_ok = p.vec_ok != 0;
-    const float scale_log2 = p.scale_log2;
 
     const u32 sKa = smem_addr(sK), sVa = smem_addr(sV);
     const u32 sPta = smem_addr(sPt), sdSta = smem_addr(sdSt);
@@ -301,7 +302,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     // and +0 to +1% at d=128). Band kernels stay fused where split ones spill at the register
     // limit: single-buffered (sm_80's d=128 tile, the deterministic d=64 one) and the d=64
     // two-stage tile (see benchmarks/NOTES.md, Part 1 gate).
-    constexpr bool Fused = V::Band && (Stages == 1 || HeadDim <= 64);
+    constexpr bool Fused = (V::Band && (Stages == 1 || HeadDim <= 64)) || V::Softcap;
     while (cur.hq < p.group) {
         const int m0 = cur.qb.block(cur.it) * Br;
         const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
@@ -316,12 +317,22 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         float* gdq = AtomicDQ ? dq_tile_lane(p, seq.b, hk * p.group + cur.hq, (m0 + row_w) / 16, lane) : nullptr;
         const float* sLse2 = stats_of(buf);
         const float* sD = sLse2 + Br;
+        mod.at_head(seq.b, hk * p.group + cur.hq);
 
         // S^T = K Q^T and dP^T - D = V dO^T - D for the warp's 16*KM keys x QW queries; D starts
         // the dP^T sums, one FADD per element less than subtracting it after (H100, NVRTC 13.5:
         // d=64 +3-4%, d=128 +1-2%).
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
         rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, nullptr, dpt, sVa, sdOa, sD, key0, qw * QW, lane);
+        // Softcap: S^T to held values t (score_mod.cuh) before the mask, as the forward did.
+        if constexpr (V::Softcap) {
+#pragma unroll
+            for (int km = 0; km < KM; ++km)
+#pragma unroll
+                for (int nt = 0; nt < QW / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) st[km][nt][e] = mod.held(st[km][nt][e]);
+        }
         // Hidden keys. The band test depends on the row, so it runs only in blocks the band
         // cuts, behind a block-uniform branch, setting S = -inf (exp2 then gives exactly 0):
         // inline, it cost the causal pass 10%. The test for keys past seqlen_k is one compare
@@ -329,20 +340,32 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         // products (behind a branch, before or after the dP^T products, the non-causal pass
         // lost 3-4%).
         if (V::Band && masked) mask_scores<true>(st, mask, col0 + key0, m0 + qw * QW, lane);
+        // P^T. With a softcap, whose gradient factor is read off t, P^T goes to shared memory
+        // here and S^T keeps P^T times that factor, for dS^T: no second array of registers.
+        using C = ScoreCoords<true>;
+        const C at(col0 + key0, m0 + qw * QW, lane);
+        const float dist0 = mod.dist0(at);
 #pragma unroll
         for (int km = 0; km < KM; ++km)
 #pragma unroll
-            for (int nt = 0; nt < QW / 8; ++nt)
+            for (int nt = 0; nt < QW / 8; ++nt) {
+                float pv[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = col0 + key0 + km * 16 + g + (e >= 2 ? 8 : 0);
-                    const float pv = fast_exp2(fmaf(st[km][nt][e], scale_log2, -sLse2[qw * QW + nt * 8 + 2 * t + (e & 1)]));
-                    st[km][nt][e] = !V::Band && masked && key >= seq.seqlen_k() ? 0.f : pv;
+                    const float x = mod.bias_at(dist0, C::ddiff(km, nt, e), st[km][nt][e]);
+                    pv[e] = fast_exp2(fmaf(x, mod.mult(), -sLse2[qw * QW + nt * 8 + 2 * t + (e & 1)]));
+                    if (!V::Band && masked && key >= seq.seqlen_k()) pv[e] = 0.f;
                 }
+                if constexpr (V::Softcap)
+                    store_acc_pairs<Elem>(sPt, LDP, key0 + km * 16 + g, qw * QW + nt * 8 + 2 * t, pv);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[km][nt][e] = pv[e] * mod.grad(st[km][nt][e]);
+            }
         if constexpr (!Fused)
             rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, sD, dpt, 0, 0, nullptr, key0, qw * QW, lane);
 
-        // dS^T = P^T (dP^T - D); P^T and dS^T go through shared memory (keeping P^T in
+        // dS^T = P^T (dP^T - D) (times the softcap's factor, above); P^T and dS^T go through shared memory (keeping P^T in
         // registers spills at head dim 128).
 #pragma unroll
         for (int km = 0; km < KM; ++km)
@@ -353,7 +376,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                 dpt[km][nt][e] *= st[km][nt][e];
             const int c = qw * QW + nt * 8 + 2 * t;
             const int r = key0 + km * 16 + g;
-            store_acc_pairs<Elem>(sPt, LDP, r, c, st[km][nt]);
+            if constexpr (!V::Softcap) store_acc_pairs<Elem>(sPt, LDP, r, c, st[km][nt]);
             store_acc_pairs<Elem>(sdSt, LDP, r, c, dpt[km][nt]);
         }
         // dQ reads dS^T rows other warps wrote; for dK/dV, a warp that holds all Br queries of
@@ -447,12 +470,13 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const SeqInfo<BwdParams> seq(p, at.batch);
     const Mask<V, BwdParams> mask(p);
     const int h = at.head, hk = h / p.group;
+    ScoreMod<V, BwdParams> mod(p);
+    mod.at_head(at.batch, h);
     const int qblock = at.tile;
     const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const bool vec_ok = p.vec_ok != 0;
-    const float scale_log2 = p.scale_log2;
     const u32 sQa = smem_addr(sQ), sdOa = smem_addr(sdO), sKa = smem_addr(sK), sVa = smem_addr(sV);
 
     load_tile<Br, HeadDim, Threads>(sQ, seq.q_row<const u16>(p.q, h, row0), p.q.row_stride,
@@ -517,15 +541,19 @@ flash_bwd_dq_kernel(const BwdParams p) {
         }
 
         const bool masked = kb.needs_mask<V>(it, Bc);
+        using C = ScoreCoords<false>;
+        const C at(row0 + warp * 16, n0, lane);
+        const float dist0 = mod.dist0(at);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int hf = e >= 2;
                 const int row = row0 + warp * 16 + g + 8 * hf;
-                float pv = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[hf]));
+                const float held = mod.held(s[nt][e]);
+                float pv = fast_exp2(fmaf(mod.bias_at(dist0, C::ddiff(0, nt, e), held), mod.mult(), -lse2[hf]));
                 if (masked && mask.hidden(row, n0 + nt * 8 + 2 * t + (e & 1))) pv = 0.f;
-                s[nt][e] = pv * (dp[nt][e] - dsum[hf]);   // dS
+                s[nt][e] = pv * (dp[nt][e] - dsum[hf]) * mod.grad(held);   // dS
             }
 
         // dQ += dS K, dS converted in registers to the A-operand layout.

@@ -1,7 +1,8 @@
 // Forward pass on tensor cores (fp16/bf16, fp32 accumulation), FlashAttention 2 partitioning:
 // one thread block per (query block of Br rows, head, batch); each warp owns MT slices of
 // 16 query rows and walks the key blocks of Bc keys:
-//   S = Q K^T (mma), mask, online softmax update, O += P V (P straight from registers).
+//   S = Q K^T (mma), score mods, mask, online softmax update, O += P V (P straight from
+//   registers).
 // Stages = 1: K and V single-buffered in shared memory, their loads overlapped with compute:
 // V_j is fetched while S_j = Q K_j^T is computed, K_{j+1} while O += P_j V_j is (two
 // barriers per key block). Stages = 2: two buffers of each, K and V of block j+1 fetched at
@@ -10,6 +11,7 @@
 #include "softmax.cuh"
 #include "seqinfo.cuh"
 #include "mask.cuh"
+#include "score_mod.cuh"
 #include "block_iter.cuh"
 
 // Blocks per SM the register allocation must leave room for: three of the double-buffered
@@ -51,6 +53,8 @@ flash_fwd_kernel(const FwdParams p) {
     const SeqInfo<FwdParams> seq(p, at.batch);
     const Mask<V, FwdParams> mask(p);
     const int h = at.head, hk = h / p.group;
+    ScoreMod<V, FwdParams> mod(p);
+    mod.at_head(at.batch, h);
     const int qblock = at.tile;
     const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -144,8 +148,9 @@ flash_fwd_kernel(const FwdParams p) {
             }
         }
 
+        mod.apply<false>(s, row0 + wrow, n0, lane);
         if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
-        softmax.update(s, acc, p.scale_log2);
+        softmax.update(s, acc, mod.mult());
         // P to 16-bit A operands now, so that S's registers are free across the K load below.
         u32 pa[MT][Bc / 16][4];
 #pragma unroll
@@ -186,7 +191,7 @@ flash_fwd_kernel(const FwdParams p) {
     }
 
     float inv_l[2 * MT], lse[2 * MT];
-    softmax.finalize(p.scale_log2, inv_l, lse);
+    softmax.finalize(mod.mult(), inv_l, lse);
 
     // Normalize, stage the warp's own rows of O in sQ (no other warp reads them), then store
     // the tile with 16-byte writes.

@@ -8,9 +8,9 @@
 // registers is spread over the warp: lane `lane` owns columns lane + 32*i, i < HeadDim/32.
 // In a chunk, lane j owns the chunk's row j for dot products.
 //
-// Math per pass (s = q.k * scale; lse in natural log; D = rowsum(dout * out)):
+// Math per pass (s = q.k * scale, then the score mods; lse in natural log; D = rowsum(dout * out)):
 //   forward: online softmax over key chunks, o = sum_j P_j v_j / l, lse = m + log(l)
-//   dQ:      P = exp(s - lse), dS = P * (dout.v - D), dq = scale * sum_j dS_j k_j
+//   dQ:      P = exp(s - lse), dS = P * (dout.v - D) * ds/d(q.k scale), dq = scale * sum_j dS_j k_j
 //   dK/dV:   dv = sum_i P_i dout_i, dk = scale * sum_i dS_i q_i, summed over the group's heads
 // Both backward kernels write every element once: deterministic, no atomics.
 //
@@ -21,6 +21,7 @@
 #include "common.cuh"
 #include "seqinfo.cuh"
 #include "mask.cuh"
+#include "score_mod.cuh"
 
 namespace generic_impl {
 
@@ -234,10 +235,13 @@ generic_fwd_kernel(const FwdParams p) {
     const SeqInfo seq(p, blockIdx.z);
     const Mask<V, decltype(p)> mask(p);
     const int h = blockIdx.y, hk = h / p.group;
+    PlainScoreMod<V, T> mod(p);
+    mod.at_head(p, seq.b, h);
     const int row = blockIdx.x * kWarps + warp;
     const bool active = row < seq.seqlen_q();
     const int kbegin = mask.key_begin(row);
     const int kend = active ? mask.key_end(row) : 0;
+    const int row_shift = row + seq.seqlen_k() - seq.seqlen_q();   // ALiBi distance + key
     // The band moves right with the row: the block's first and last rows bound the chunks it
     // stages.
     const int first_row = blockIdx.x * kWarps;
@@ -265,7 +269,8 @@ generic_fwd_kernel(const FwdParams p) {
         __syncthreads();
         if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
             const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin);
-            const T s = dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale;
+            T grad;
+            const T s = mod(dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row_shift - k0 - lane, grad);
             const T chunk_max = warp_max(visible ? s : -Prec<T>::inf());
             const T m_new = chunk_max > m ? chunk_max : m;
             // Scores of -inf (from infinite inputs) can leave the max at -inf: subtract 0 then,
@@ -305,10 +310,13 @@ generic_bwd_dq_kernel(const BwdParams p) {
     const SeqInfo seq(p, blockIdx.z);
     const Mask<V, decltype(p)> mask(p);
     const int h = blockIdx.y, hk = h / p.group;
+    PlainScoreMod<V, T> mod(p);
+    mod.at_head(p, seq.b, h);
     const int row = blockIdx.x * kWarps + warp;
     const bool active = row < seq.seqlen_q();
     const int kbegin = mask.key_begin(row);
     const int kend = active ? mask.key_end(row) : 0;
+    const int row_shift = row + seq.seqlen_k() - seq.seqlen_q();
     const int first_row = blockIdx.x * kWarps;
     const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
@@ -340,10 +348,11 @@ generic_bwd_dq_kernel(const BwdParams p) {
         __syncthreads();
         if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
             const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin);
-            const T s = dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale;
+            T grad;
+            const T s = mod(dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row_shift - k0 - lane, grad);
             const T dp = dot_with_rows<T, HeadDim>(dout, v_tile, lane);
             const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
-            add_weighted_rows<T, HeadDim>(dq, pj * (dp - dsum), k_tile, lane);
+            add_weighted_rows<T, HeadDim>(dq, pj * (dp - dsum) * grad, k_tile, lane);
         }
     }
 
@@ -374,6 +383,8 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     const int first_key = blockIdx.x * kWarps;
     const int last_key = min(first_key + kWarps, seq.seqlen_k()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+    PlainScoreMod<V, T> mod(p);
+    const int shift_key = seq.seqlen_k() - seq.seqlen_q() - key;   // ALiBi distance - query
     auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
     auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
 
@@ -386,6 +397,7 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     for (int g = 0; g < p.group; ++g) {
         const int h = hk * p.group + g;
         const index_t stat0 = seq.stat(h, 0);
+        mod.at_head(p, seq.b, h);
         auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
         auto dout_rows = [&](int r) { return seq.q_row<const T>(p.dout, h, r); };
         // Each query head its own list (one shared list when the mask has one head).
@@ -406,11 +418,12 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
                     lse = lse_for_exp(static_cast<const T*>(p.lse)[stat0 + qi]);
                     dsum = static_cast<const T*>(p.dsum)[stat0 + qi];
                 }
-                const T s = dot_with_rows<T, HeadDim>(k, q_tile, lane) * scale;
+                T grad;
+                const T s = mod(dot_with_rows<T, HeadDim>(k, q_tile, lane) * scale, qi + shift_key, grad);
                 const T dp = dot_with_rows<T, HeadDim>(v, dout_tile, lane);
                 const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
                 add_weighted_rows<T, HeadDim>(dv, pj, dout_tile, lane);
-                add_weighted_rows<T, HeadDim>(dk, pj * (dp - dsum), q_tile, lane);
+                add_weighted_rows<T, HeadDim>(dk, pj * (dp - dsum) * grad, q_tile, lane);
             }
         }
     }

@@ -58,33 +58,48 @@ struct Mask {
     }
 };
 
-// Sets to -inf the scores of mma accumulator tiles s[M][N][4] (16 x 8 each: element e of tile
-// (m, n) sits at row m*16 + lane/4 + 8*(e/2), column n*8 + 2*(lane%4) + e%2) that the mask
-// hides. The tiles' rows are queries from row0 and their columns keys from col0, or, with
-// Transposed (the dK/dV pass's S^T), keys from row0 and queries from col0. exp2 of -inf is
+// Where the elements of a score fragment lie: mma accumulator tiles s[M][N][4], element e of
+// tile (m, n) at row m*16 + lane/4 + 8*(e/2), column n*8 + 2*(lane%4) + e%2 from (row0, col0).
+// Rows are queries and columns keys, or, Transposed (the dK/dV pass's S^T), the other way round.
+// Every per-element step (mask, ALiBi bias) is written on the key and on key - query, which
+// differ from the lane's element 0 by compile-time constants: the steps cost one operation with
+// an immediate per element and no register per row or column (a per-row key_end took the
+// 255-register dK/dV kernels over).
+template <bool Transposed>
+struct ScoreCoords {
+    int key0, diff0;   // key, and key - query, of the lane's element 0 of tile (0, 0)
+
+    __device__ __forceinline__ ScoreCoords(int row0, int col0, int lane) {
+        const int r = row0 + lane / 4, c = col0 + 2 * (lane % 4);
+        key0 = Transposed ? r : c;
+        diff0 = Transposed ? r - c : c - r;
+    }
+    // Offsets of element e of tile (m, n) from element 0 of tile (0, 0).
+    static __host__ __device__ constexpr int dkey(int m, int n, int e) { return Transposed ? m * 16 + (e & 2) * 4 : n * 8 + (e & 1); }
+    static __host__ __device__ constexpr int ddiff(int m, int n, int e) {
+        return Transposed ? m * 16 + (e & 2) * 4 - n * 8 - (e & 1) : n * 8 + (e & 1) - m * 16 - (e & 2) * 4;
+    }
+};
+
+// Sets to -inf the scores of a fragment (ScoreCoords) that the mask hides. exp2 of -inf is
 // exactly 0, so the softmax and the gradients need nothing else.
-// The band test is written on key - query, which differs from one thread register by a
-// compile-time constant per element: the test costs one compare with an immediate, and no
-// register per row or column (a per-row key_end took the 255-register dK/dV kernels over).
 template <bool Transposed, typename V, typename Params, int M, int N>
 __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, Params>& mask, int row0, int col0,
                                             int lane) {
-    const int r = row0 + lane / 4, c = col0 + 2 * (lane % 4);   // element 0 of tile (0, 0)
+    using C = ScoreCoords<Transposed>;
+    const C at(row0, col0, lane);
     const int shift = mask.seqlen_k() - mask.seqlen_q();
-    const int key0 = Transposed ? r : c;
-    const int diff0 = Transposed ? r - c : c - r;               // key - query
-    const int diff_hi = shift + (V::Local ? mask.p.window_right : 0) - diff0;
-    const int diff_lo = shift - (V::Local ? mask.p.window_left : 0) - diff0;
-    const int key_hi = mask.seqlen_k() - key0;
+    const int diff_hi = shift + (V::Local ? mask.p.window_right : 0) - at.diff0;
+    const int diff_lo = shift - (V::Local ? mask.p.window_left : 0) - at.diff0;
+    const int key_hi = mask.seqlen_k() - at.key0;
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int n = 0; n < N; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int dr = m * 16 + (e >= 2 ? 8 : 0), dc = n * 8 + (e & 1);
-                const int dkey = Transposed ? dr : dc, ddiff = Transposed ? dr - dc : dc - dr;
-                if ((V::Band && ddiff > diff_hi) || dkey >= key_hi || (V::Local && ddiff < diff_lo))
+                const int ddiff = C::ddiff(m, n, e);
+                if ((V::Band && ddiff > diff_hi) || C::dkey(m, n, e) >= key_hi || (V::Local && ddiff < diff_lo))
                     s[m][n][e] = neg_inf();
             }
 }

@@ -28,6 +28,17 @@ struct BlockList {
     int list_tile;       // know as template constants and the plain kernels read from here
 };
 
+// The score modifiers of a Variant with Softcap or Alibi (score_mod.cuh); the host derives the
+// float constants, which the kernels then read as operands instead of holding registers.
+struct ScoreParams {
+    double softcap;          // > 0 with Softcap: scores s become softcap * tanh(s / softcap)
+    float softcap_in;        // 2 * scale * log2(e) / softcap: tanh(x) = 1 - 2 / (exp2(.) + 1)
+    float softcap_log2;      // softcap * log2(e): a tanh to log2 units
+    const float* alibi;      // ALiBi slopes, float32 (batch, nheads) with batch stride
+    int alibi_stride;        // nheads, or 0 for one row of slopes shared by the batch
+    float alibi_unit;        // -log2(e) / ScoreMod::mult: a slope to a bias in held units
+};
+
 struct FwdParams {
     TensorRef q, k, v, o;
     void* lse;           // (batch, nheads, seqlen_q), contiguous, natural log; float32,
@@ -40,6 +51,7 @@ struct FwdParams {
     double scale;        // softmax scale applied to q.k (double for the float64 path)
     float scale_log2;    // scale * log2(e): the fp16/bf16/fp32 kernels work in base 2
     int window_left, window_right;   // the band of a local Variant (mask.cuh)
+    ScoreParams mod;     // softcap and ALiBi (score_mod.cuh)
     BlockList kv_blocks; // per query tile, the key tiles to visit
 };
 
@@ -62,6 +74,7 @@ struct BwdParams {
     double scale;
     float scale_log2;
     int window_left, window_right;
+    ScoreParams mod;
     BlockList kv_blocks; // per query tile, the key tiles to visit (dQ pass)
     BlockList q_blocks;  // per key tile, the query tiles that visit it (dK/dV pass)
 };

@@ -1,10 +1,11 @@
 // Online softmax (FlashAttention 2 order): running row max m and running sum l, the output
 // accumulator rescaled only when the max moves, normalized once at the end.
 //
-// Convention, written once here: scores s = q.k (unscaled) are kept raw; the kernels work
-// in base 2 with log2(e) folded into the scale, p = exp2(s * scale_log2 - m * scale_log2),
-// and the stored log-sum-exp is in natural log: lse = m * scale + log(l) (-inf for a row
-// that sees no key).
+// Convention, written once here: the scores are held values (score_mod.cuh: q.k unscaled, or
+// capped by tanh), the kernels work in base 2 with `mult` (ScoreMod::mult: scale * log2(e)
+// for raw scores) turning them into log2 units, p = exp2(s * mult - m * mult), and the stored
+// log-sum-exp is in natural log: lse = (m * mult + log2(l)) / log2(e) (-inf for a row that
+// sees no key).
 #pragma once
 #include "common.cuh"
 
@@ -25,7 +26,7 @@ struct OnlineSoftmax {
     // move no row max of a warp; the warp then skips the rescale, whose factors would all be 1.
     template <int MT, int NT, int DT>
     __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
-                                           float scale_log2) {
+                                           float mult) {
         static_assert(2 * MT == Rows, "two accumulator rows per m16 tile");
         float alpha[Rows], base[Rows];
         bool moved = false;
@@ -40,11 +41,11 @@ struct OnlineSoftmax {
                     mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
                 mx = quad_max(mx);
                 // A row that has seen no key yet keeps the base at 0, so exp2 gives 0, not NaN.
-                base[r] = mx == neg_inf() ? 0.f : mx * scale_log2;
+                base[r] = mx == neg_inf() ? 0.f : mx * mult;
                 // Rounded like base: fused into an FMA, the product's rounding residual made
                 // alpha 2^residual instead of 1 when the max stays, and l drifted by that
                 // factor once per key block (lse off by 2e-3 at 1M keys).
-                alpha[r] = fast_exp2(__fmul_rn(m[r], scale_log2) - base[r]);
+                alpha[r] = fast_exp2(__fmul_rn(m[r], mult) - base[r]);
                 moved |= mx != m[r];
                 m[r] = mx;
                 l[r] *= alpha[r];
@@ -65,7 +66,7 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = 2 * mt + e / 2;
-                    const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -base[r]));
+                    const float p = fast_exp2(fmaf(s[mt][nt][e], mult, -base[r]));
                     s[mt][nt][e] = p;
                     l[r] += p;
                 }
@@ -74,14 +75,14 @@ struct OnlineSoftmax {
     // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the
     // natural-log lse into lse_out. Only a sum of exactly 0 is a row without keys: a NaN sum
     // (NaN in q or k, a +inf score) keeps out and lse NaN rather than passing for empty.
-    __device__ __forceinline__ void finalize(float scale_log2, float (&inv_l)[Rows],
+    __device__ __forceinline__ void finalize(float mult, float (&inv_l)[Rows],
                                              float (&lse_out)[Rows]) {
 #pragma unroll
         for (int r = 0; r < Rows; ++r) {
             const float sum = quad_sum(l[r]);
             const bool empty = sum == 0.f;
             inv_l[r] = empty ? 0.f : 1.f / sum;
-            lse_out[r] = empty ? neg_inf() : (m[r] * scale_log2 + log2f(sum)) / LOG2E;
+            lse_out[r] = empty ? neg_inf() : (m[r] * mult + log2f(sum)) / LOG2E;
         }
     }
 };

@@ -18,10 +18,13 @@ TENSOR_REF = np.dtype(_TENSOR, align=True)
 BLOCK_LIST = np.dtype([("idx", np.uint64), ("count", np.uint64), ("partial", np.uint64),
                        ("width", np.int32), ("rows", np.int32), ("heads", np.int32),
                        ("row_tile", np.int32), ("list_tile", np.int32)], align=True)
+SCORE_PARAMS = np.dtype([("softcap", np.float64), ("softcap_in", np.float32),
+                         ("softcap_log2", np.float32), ("alibi", np.uint64),
+                         ("alibi_stride", np.int32), ("alibi_unit", np.float32)], align=True)
 _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("group", np.int32),
          ("seqlen_q", np.int32), ("seqlen_k", np.int32), ("headdim", np.int32),
          ("vec_ok", np.int32), ("launch_group", np.int32), ("scale", np.float64), ("scale_log2", np.float32),
-         ("window_left", np.int32), ("window_right", np.int32)]
+         ("window_left", np.int32), ("window_right", np.int32), ("mod", SCORE_PARAMS)]
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
                       + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
@@ -61,7 +64,7 @@ def _vec_ok(*arrays):
     return True
 
 
-def _fill_dims(p, q, k, scale, spec):
+def _fill_dims(p, q, k, scale, spec, alibi_slopes):
     b, sq, h, d = q.shape
     sk = k.shape[1]
     p["batch"], p["nheads"], p["nheads_k"] = b, h, k.shape[2]
@@ -74,6 +77,18 @@ def _fill_dims(p, q, k, scale, spec):
     left, right = spec.window
     p["window_left"] = sk if left < 0 else min(left, sk)
     p["window_right"] = sq if right < 0 else min(right, sq)
+    # cuda/score_mod.cuh: the tensor-core kernels' held values are raw q.k, or tanh(q.k *
+    # scale / softcap) with a softcap; `mult` takes them to log2 units.
+    mod = p["mod"]
+    mult = scale * _config.LOG2E
+    if spec.softcap:
+        mod["softcap"] = spec.softcap
+        mod["softcap_in"] = 2 * scale * _config.LOG2E / spec.softcap
+        mult = mod["softcap_log2"] = spec.softcap * _config.LOG2E
+    if alibi_slopes is not None:
+        mod["alibi"] = alibi_slopes.data.ptr
+        mod["alibi_stride"] = alibi_slopes.strides[0] // 4 if alibi_slopes.ndim == 2 else 0
+        mod["alibi_unit"] = -_config.LOG2E / mult
 
 
 def _smem_limit():
@@ -169,11 +184,8 @@ def _check_lists(p, field, row_tile, list_tile):
 
 def check_supported(spec, block_mask):
     """Raise, before anything is allocated, where the current GPU cannot run this call:
-    fp16/bf16 need tensor cores of sm_80+, and every kernel's tile must fit its shared memory;
-    softcap and ALiBi have no kernels yet."""
-    if spec.softcap or spec.alibi:
-        raise NotImplementedError("softcap and alibi_slopes have no GPU kernels yet (NumPy "
-                                  "arrays run them)")
+    fp16/bf16 need tensor cores of sm_80+, and every kernel's tile must fit its shared
+    memory."""
     import cupy
     dev = cupy.cuda.Device()
     hd = spec.headdim
@@ -203,7 +215,7 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None):
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         _tensor_ref(p[name], a)
     p["lse"] = lse.data.ptr
-    _fill_dims(p, q, k, scale, spec)
+    _fill_dims(p, q, k, scale, spec, alibi_slopes)
     p["vec_ok"] = _vec_ok(q, k, v, out)
     b, sq, h, d = q.shape
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
@@ -239,7 +251,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     if dq_accum is not None:
         p["dq_accum"] = dq_accum.data.ptr
         p["dq_accum_rows"], p["dq_accum_cols"] = dq_accum.shape[2:]
-    _fill_dims(p, q, k, scale, spec)
+    _fill_dims(p, q, k, scale, spec, alibi_slopes)
     p["vec_ok"] = _vec_ok(q, k, v, out, dout, dq, dk, dv)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -300,9 +312,11 @@ def kernel_names(smem_limit):
         names["bwd.cu"].append(template_name("bwd_convert_dq_kernel", elem))
     every = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
     dense = [(_config.MAX_BLOCK, _config.MAX_BLOCK)]   # the tiles of dense calls
-    # A window is refused with a block mask: its kernels need only the dense tiles.
-    variants = [(_spec.CallSpec("float16", 0, window=w), limits)
-                for w, limits in ((_spec.NO_WINDOW, every), (_spec.CAUSAL, every), ((1, 1), dense))]
+    # Every band with every score modifier (softcap, ALiBi, both); a window is refused with a
+    # block mask, so its kernels need only the dense tiles.
+    variants = [(_spec.CallSpec("float16", 0, window=w, softcap=cap, alibi=alibi), limits)
+                for w, limits in ((_spec.NO_WINDOW, every), (_spec.CAUSAL, every), ((1, 1), dense))
+                for cap, alibi in ((0.0, False), (1.0, False), (0.0, True), (1.0, True))]
     for hd in _config.HEAD_DIM_BUCKETS:
         for spec, limits in variants:
             fwd = {_config.tile("fwd", hd, smem_limit, *lim) for lim in limits}

@@ -68,16 +68,18 @@ class CallSpec:
     window: tuple = NO_WINDOW   # band (left, right), causal folded in (see ``band``)
     softcap: float = 0.0        # > 0: scores become softcap * tanh(s / softcap)
     alibi: bool = False         # ALiBi slopes are given (an array beside the spec)
+    dropout: float = 0.0        # dropout probability (the seed and offset travel beside it)
     sparse: bool = False        # a BlockMask gives the visited tiles
 
     @classmethod
     def of(cls, q, *, causal, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
-           block_mask=None):
+           dropout_p=0.0, block_mask=None):
         """The spec of a call on ``q`` whose arguments were validated; ``causal`` is already
         ORed with the mask's own."""
         return cls(dtype=np.dtype(q.dtype).name, headdim=_config.head_dim_bucket(q.shape[-1]),
                    window=band(causal, window_size), softcap=float(softcap),
-                   alibi=alibi_slopes is not None, sparse=block_mask is not None)
+                   alibi=alibi_slopes is not None, dropout=float(dropout_p),
+                   sparse=block_mask is not None)
 
     @property
     def causal(self):
@@ -96,5 +98,5 @@ class CallSpec:
 
     def variant(self):
         """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh)."""
-        flags = (self.causal, self.local)
+        flags = (self.causal, self.local, self.softcap > 0, self.alibi)
         return "Variant<" + ", ".join("true" if f else "false" for f in flags) + ">"

@@ -187,16 +187,21 @@ def test_variant_matches_reference_on_numpy(case):
     check_case(np, case)
 
 
-# On the GPU: the variants the kernels have so far (the band: window and causal), in every
-# dtype, on the table's shapes and on larger ones whose windows cross many tiles (and skip
-# whole tiles on both sides).
-GPU_VARIANTS = [c for c in CASES if not c.softcap and c.alibi is None and c.dtype == "float64"]
+# On the GPU: every row of the table in every dtype, and larger shapes whose windows cross
+# many tiles (and skip whole tiles on both sides), with and without the score modifiers.
+GPU_VARIANTS = [c for c in CASES if c.dtype == "float64"]
 GPU_CASES = [dataclasses.replace(c, dtype=dtype) for c in GPU_VARIANTS
              for dtype in ("float16", "bfloat16", "float32", "float64")]
+BIG_SHAPES = ((2, 1000, 777, 4, 2, 64), (1, 777, 1000, 2, 1, 128), (1, 1024, 1024, 2, 2, 96))
 GPU_CASES += [Variant(*shape, causal=causal, window_size=window, dtype=dtype, seed=7)
-              for shape in ((2, 1000, 777, 4, 2, 64), (1, 777, 1000, 2, 1, 128),
-                            (1, 1024, 1024, 2, 2, 96))
+              for shape in BIG_SHAPES
               for window in ((100, 50), (-1, 30), (200, -1), (0, 0), (300, 0))
+              for causal in (False, True)
+              for dtype in ("float16", "bfloat16")]
+GPU_CASES += [Variant(*shape, causal=causal, dtype=dtype, seed=11, **mods)
+              for shape in BIG_SHAPES
+              for mods in (dict(softcap=30.0), dict(softcap=2.0, alibi="batch"),
+                           dict(alibi="heads", window_size=(300, 0)))
               for causal in (False, True)
               for dtype in ("float16", "bfloat16")]
 GPU_CASES += [dataclasses.replace(c, strided=True, seed=c.seed + 70)

@@ -1,0 +1,231 @@
+"""The variants' speed targets (issue 15, Part 2), measured in one run, bf16, head dim 128:
+
+    python benchmarks/bench_variants.py --out DIR [--seqlen 8192] [--window-seqlen 32768]
+                                        [--no-flex] [--reps 20]
+
+- Score modifiers, at ``--seqlen`` (16K tokens, 16 heads), causal and not, forward and
+  backward: ours plain, ``softcap=30``, ALiBi (ALiBi's geometric slopes), both. Target: each
+  <= 1.10 x ours plain of the same causal flag and pass.
+- FlexAttention (torch.compile(flex_attention)) on the same rules beside ours: plain, softcap,
+  ALiBi, a T5-style relative-position bias (a learned table of 2 * 128 - 1 buckets), a document
+  mask (8 documents of random lengths, causal inside each) and prefix-LM (a 1024-token
+  prefix seen by every query, then causal). Ours has no built-in for the last three: they wait
+  for user score_mod / mask_mod (rows marked skipped, Flex's measured).
+- Window: ``window_size=(1024, 0)`` (a sliding window over the past 1024 keys, the causal side
+  closed) at ``--window-seqlen`` (batch 1, 16 heads) against dense causal at the same shape.
+  Target: time <= 1.3 x the dense causal time x (visible elements of the window / visible
+  elements of causal), both counted exactly.
+
+Every row times the median over calls on rotating input sets (cupyflash.bench). Writes
+DIR/variants_targets.json and prints the table with the ratios last.
+"""
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+import cupyflash as cf
+from cupyflash import bench
+from cupyflash.bench.cases import cp
+from cupyflash.bench.peers import _TorchRunner, flex
+
+HEADDIM, SOFTCAP, PREFIX, DOCUMENTS, WINDOW = 128, 30.0, 1024, 8, (1024, 0)
+MOD_TARGET, WINDOW_TARGET = 1.10, 1.3
+
+
+def alibi_slopes(nheads):
+    """ALiBi's geometric slopes 2^(-8 h / nheads), h = 1..nheads."""
+    return 2.0 ** (-8.0 * np.arange(1, nheads + 1) / nheads)
+
+
+def document_ids(seqlen, seed=0):
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, seqlen), DOCUMENTS - 1,
+                                                      replace=False))
+    return np.repeat(np.arange(DOCUMENTS), np.diff(np.concatenate([[0], cuts, [seqlen]])))
+
+
+class OursWith(bench.Ours):
+    """Ours with the variant keywords of one rule."""
+
+    def __init__(self, case, sets32, rule, **keywords):
+        super().__init__(case, sets32)
+        self.rule, self.keywords = rule, keywords
+
+    def forward(self, s):
+        return cf.flash_attention(s[0], s[1], s[2], causal=self.case.causal, block_mask=self.mask,
+                                  return_lse=True, **self.keywords)
+
+    def backward(self, s, saved):
+        return cf.flash_attention_backward(s[3], s[0], s[1], s[2], saved[0], saved[1],
+                                           causal=self.case.causal, block_mask=self.mask,
+                                           **self.keywords)
+
+
+class FlexWith(_TorchRunner):
+    """torch.compile(flex_attention) with the score_mod / block mask of one rule."""
+    impl = "flex"
+
+    def __init__(self, case, sets32, rule):
+        self.flex = flex()
+        super().__init__(case, sets32)
+        torch, fa, n, h = self.torch, self.flex.fa, case.seqlen, case.nheads
+        self.rule, self.score_mod, self.block_mask = rule, None, None
+        if case.causal or rule in ("document", "prefix_lm"):
+            doc = torch.from_numpy(document_ids(n)).cuda()
+
+            def mask_mod(b, hh, q, kv):
+                if rule == "document":
+                    return (doc[q] == doc[kv]) & (q >= kv)
+                if rule == "prefix_lm":
+                    return (q >= kv) | (kv < PREFIX)
+                return q >= kv
+            self.block_mask = fa.create_block_mask(mask_mod, None, None, n, n, device="cuda")
+        if rule == "softcap":
+            def score_mod(s, b, hh, q, kv):
+                return SOFTCAP * torch.tanh(s / SOFTCAP)
+            self.score_mod = score_mod
+        elif rule == "alibi":
+            slopes = torch.from_numpy(alibi_slopes(h).astype(np.float32)).cuda()
+
+            def score_mod(s, b, hh, q, kv):
+                return s - slopes[hh] * (q - kv).abs()
+            self.score_mod = score_mod
+        elif rule == "relative_bias":
+            table = torch.randn(2 * 128 - 1, h, device="cuda", dtype=torch.float32)
+
+            def score_mod(s, b, hh, q, kv):
+                return s + table[(q - kv).clamp(-127, 127) + 127, hh]
+            self.score_mod = score_mod
+
+    def forward(self, s):
+        return (self.flex.attend(s[0], s[1], s[2], score_mod=self.score_mod,
+                                 block_mask=self.block_mask),)
+
+
+def visible_fraction(seqlen, window):
+    """Visible elements of (seqlen x seqlen) under a band, over seqlen^2."""
+    i = np.arange(seqlen)
+    left, right = window
+    lo = np.zeros(seqlen) if left < 0 else np.maximum(i - left, 0)
+    hi = np.full(seqlen, seqlen - 1) if right < 0 else np.minimum(i + right, seqlen - 1)
+    return float(np.maximum(hi - lo + 1, 0).sum()) / seqlen ** 2
+
+
+def ours_keywords(rule, nheads):
+    if rule == "softcap":
+        return dict(softcap=SOFTCAP)
+    if rule == "alibi":
+        return dict(alibi_slopes=cp.asarray(alibi_slopes(nheads), cp.float32))
+    if rule == "softcap_alibi":
+        return dict(softcap=SOFTCAP, alibi_slopes=cp.asarray(alibi_slopes(nheads), cp.float32))
+    return {}
+
+
+def timed(runner, passes, reps, label, rows):
+    for pass_ in passes:
+        try:
+            row = bench.measure(runner, pass_, reps, memory=False)
+        except Exception as e:
+            row = bench.failed_row(runner.case, runner.impl, pass_, e)
+        row["rule"] = label
+        rows.append(row)
+        print(bench.progress_line(row), label, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--window-seqlen", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-flex", action="store_true")
+    args = ap.parse_args()
+    passes = ("fwd", "bwd")
+    rows = []
+
+    for causal in (False, True):
+        case = bench.Case.dense(args.seqlen, HEADDIM, causal)
+        sets = bench.input_sets(case)
+        for rule in ("plain", "softcap", "alibi", "softcap_alibi"):
+            timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads)), passes,
+                  args.reps, rule, rows)
+        if not args.no_flex:
+            for rule in ("plain", "softcap", "alibi", "relative_bias"):
+                try:
+                    runner = FlexWith(case, sets, rule)
+                except Exception as e:
+                    rows += [dict(bench.failed_row(case, "flex", p, e), rule=rule) for p in passes]
+                    continue
+                timed(runner, passes, args.reps, rule, rows)
+                del runner
+                bench.release_memory()
+        rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
+            "no built-in relative bias: needs user score_mods")), rule="relative_bias")
+            for p in passes]
+        del sets
+        bench.release_memory()
+
+    # Mask rules (the call not causal: the rule says what is seen).
+    case = bench.Case.dense(args.seqlen, HEADDIM, False)
+    sets = bench.input_sets(case)
+    for rule in ("document", "prefix_lm"):
+        rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
+            "an element mask BlockMask cannot express: needs user mask_mods")), rule=rule)
+            for p in passes]
+        if args.no_flex:
+            continue
+        try:
+            runner = FlexWith(case, sets, rule)
+        except Exception as e:
+            rows += [dict(bench.failed_row(case, "flex", p, e), rule=rule) for p in passes]
+            continue
+        timed(runner, passes, args.reps, rule, rows)
+        del runner
+        bench.release_memory()
+    del sets
+    bench.release_memory()
+
+    # Window against dense causal at the window's seqlen.
+    wcase = bench.Case.dense(args.window_seqlen, HEADDIM, True)
+    sets = bench.input_sets(wcase)
+    timed(OursWith(wcase, sets, "plain"), passes, args.reps, "causal", rows)
+    timed(OursWith(wcase, sets, "window", window_size=WINDOW), passes, args.reps,
+          f"window{WINDOW}", rows)
+    share = visible_fraction(args.window_seqlen, WINDOW) / visible_fraction(args.window_seqlen,
+                                                                            (-1, 0))
+    del sets
+    bench.release_memory()
+
+    ratios = target_ratios(rows, share)
+    bench.write_json(Path(args.out) / "variants_targets.json",
+                     bench.report("variants_targets", rows, ratios=ratios, window_share=share))
+    print("\n=== variants ===")
+    for r in rows:
+        val = (f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s" if "ms" in r
+               else (r.get("error") or r.get("skipped", ""))[:70])
+        print(f"{r['impl']:<10} {r['rule']:<16} s={r['seqlen']:<6} causal={r['causal']!s:<5} "
+              f"{r['pass']:<4} {val}")
+    print("\n=== targets ===")
+    for r in ratios:
+        print(f"{r['what']:<44} {r['ratio']:6.3f}  target <= {r['target']:.2f}  "
+              f"{'ok' if r['ratio'] <= r['target'] else 'BELOW TARGET'}")
+
+
+def target_ratios(rows, share):
+    """Ours: each modifier's time over plain's, and the window's time over share x causal's."""
+    ms = {(r["impl"], r["rule"], r["causal"], r["pass"]): r["ms"] for r in rows if "ms" in r}
+    out = []
+    for (impl, rule, causal, pass_), t in ms.items():
+        if impl != "cupyflash":
+            continue
+        if rule in ("softcap", "alibi", "softcap_alibi") and (impl, "plain", causal, pass_) in ms:
+            out.append(dict(what=f"{rule} causal={causal} {pass_} / plain", target=MOD_TARGET,
+                            ratio=t / ms[impl, "plain", causal, pass_]))
+        if rule.startswith("window") and (impl, "causal", causal, pass_) in ms:
+            out.append(dict(what=f"{rule} {pass_} / (share x causal)", target=WINDOW_TARGET,
+                            ratio=t / (share * ms[impl, "causal", causal, pass_])))
+    return out
+
+
+if __name__ == "__main__":
+    main()

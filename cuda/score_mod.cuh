@@ -1,0 +1,114 @@
+// The score step between q.k and the mask, in FlashAttention 2's order: scale, softcap, ALiBi
+// bias. The NumPy mirror is cupyflash/_numpy_backend.py (_Scores).
+//
+// The tensor-core kernels keep *held* values in the score fragment: the raw q.k without
+// softcap (the scale then folds into the softmax's exp2, softmax.cuh), t = tanh(q.k * scale /
+// softcap) with it. `mult` turns a held value into log2 units; the ALiBi bias is added in held
+// units; and the gradient of the logit by q.k * scale is read off the held value (1, or
+// 1 - t^2), so that the backward keeps no second array of scores.
+#pragma once
+#include "common.cuh"
+#include "mask.cuh"
+
+// rcp.approx: 1 ulp, and 1/inf = 0, which the tanh below needs for large arguments.
+__device__ __forceinline__ float fast_rcp(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <typename V, typename Params>
+struct ScoreMod {
+    const Params& p;
+    float bias;   // ALiBi: the bias per unit of distance for this (batch, head), in held units
+
+    __device__ __forceinline__ explicit ScoreMod(const Params& params) : p(params), bias(0.f) {}
+
+    // The held value -> log2 units factor.
+    __device__ __forceinline__ float mult() const { return V::Softcap ? p.mod.softcap_log2 : p.scale_log2; }
+
+    // Select the slopes of (batch b, head h).
+    __device__ __forceinline__ void at_head(int b, int h) {
+        if constexpr (V::Alibi)
+            bias = p.mod.alibi[static_cast<index_t>(b) * p.mod.alibi_stride + h] * p.mod.alibi_unit;
+    }
+
+    // The held value of a raw score. tanh(x) = 1 - 2 / (e^2x + 1) with ex2.approx and
+    // rcp.approx is within a few 1e-7 of tanh everywhere (tanh.approx's 2^-11 relative error
+    // would reach the logits as softcap * 5e-4, more than a bf16 ulp of a probability).
+    __device__ __forceinline__ float held(float s) const {
+        if constexpr (V::Softcap)
+            return fmaf(-2.f, fast_rcp(fast_exp2(s * p.mod.softcap_in) + 1.f), 1.f);
+        else
+            return s;
+    }
+
+    // d logit / d (q.k * scale) from the held value. A masked score held as -inf gets 0
+    // (its probability is 0 too; 1 - inf^2 would make 0 * -inf = NaN).
+    __device__ __forceinline__ float grad(float t) const {
+        if constexpr (V::Softcap)
+            return fmaxf(fmaf(-t, t, 1.f), 0.f);
+        else
+            return 1.f;
+    }
+
+    // ALiBi distances |key - query - shift| of a fragment's elements are |dist0 + ddiff| with
+    // ddiff a compile-time constant (ScoreCoords): dist0 is the lane's base, exact in float
+    // below 2^24.
+    template <bool Transposed>
+    __device__ __forceinline__ float dist0(const ScoreCoords<Transposed>& at) const {
+        return static_cast<float>(at.diff0 - (p.seqlen_k - p.seqlen_q));
+    }
+    // The bias of the element at distance offset ddiff from the lane's base.
+    __device__ __forceinline__ float bias_at(float dist0, int ddiff, float held_value) const {
+        return V::Alibi ? fmaf(bias, fabsf(dist0 + static_cast<float>(ddiff)), held_value) : held_value;
+    }
+
+    // Held values plus bias for a fragment of raw scores (the forward: nothing needs t after).
+    template <bool Transposed, int M, int N>
+    __device__ __forceinline__ void apply(float (&s)[M][N][4], int row0, int col0, int lane) const {
+        if constexpr (V::Softcap || V::Alibi) {
+            using C = ScoreCoords<Transposed>;
+            const C at(row0, col0, lane);
+            const float d0 = dist0(at);
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+#pragma unroll
+                for (int n = 0; n < N; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[m][n][e] = bias_at(d0, C::ddiff(m, n, e), held(s[m][n][e]));
+        }
+    }
+};
+
+// The plain kernels' score step, at T's own precision, on x = q.k * scale in the kernel's base
+// (unit = log2(e) for float, 1 for double; generic.cu): the logit, and d logit / d x in `grad`.
+template <typename V, typename T>
+struct PlainScoreMod {
+    T cap;     // softcap * unit
+    T bias;    // -slope * unit of the selected head
+
+    template <typename Params>
+    __device__ __forceinline__ PlainScoreMod(const Params& p) : cap(static_cast<T>(p.mod.softcap) * unit()), bias(0) {}
+
+    static __device__ __forceinline__ T unit() { return sizeof(T) == 4 ? T(LOG2E) : T(1); }
+
+    template <typename Params>
+    __device__ __forceinline__ void at_head(const Params& p, int b, int h) {
+        if constexpr (V::Alibi) bias = -static_cast<T>(p.mod.alibi[static_cast<index_t>(b) * p.mod.alibi_stride + h]) * unit();
+    }
+
+    // dist = query + seqlen_k - seqlen_q - key.
+    __device__ __forceinline__ T operator()(T x, int dist, T& grad) const {
+        grad = T(1);
+        if constexpr (V::Softcap) {
+            T t;
+            if constexpr (sizeof(T) == 4) t = tanhf(x / cap); else t = tanh(x / cap);
+            x = cap * t;
+            grad = T(1) - t * t;
+        }
+        if constexpr (V::Alibi) x += bias * T(dist < 0 ? -dist : dist);
+        return x;
+    }
+};
