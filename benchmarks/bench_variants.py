@@ -1,7 +1,7 @@
 """The variants' speed targets (issue 15, Part 2), measured in one run, bf16, head dim 128:
 
     python benchmarks/bench_variants.py --out DIR [--seqlen 8192] [--window-seqlen 32768]
-                                        [--no-flex] [--reps 20]
+                                        [--parts ours flex window] [--reps 20]
 
 - Score modifiers, at ``--seqlen`` (16K tokens, 16 heads), causal and not, forward and
   backward: ours plain, ``softcap=30``, ALiBi (ALiBi's geometric slopes), both. Target: each
@@ -138,18 +138,20 @@ def main():
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--window-seqlen", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--parts", nargs="+", default=["ours", "flex", "window"],
+                    help="ours: our modifiers; flex: FlexAttention's rules; window: the window")
     args = ap.parse_args()
+    ours, use_flex = "ours" in args.parts, "flex" in args.parts
     passes = ("fwd", "bwd")
     rows = []
 
     for causal in (False, True):
         case = bench.Case.dense(args.seqlen, HEADDIM, causal)
         sets = bench.input_sets(case)
-        for rule in ("plain", "softcap", "alibi", "softcap_alibi"):
+        for rule in ("plain", "softcap", "alibi", "softcap_alibi") if ours else ():
             timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads)), passes,
                   args.reps, rule, rows)
-        if not args.no_flex:
+        if use_flex:
             for rule in ("plain", "softcap", "alibi", "relative_bias"):
                 try:
                     runner = FlexWith(case, sets, rule)
@@ -159,21 +161,20 @@ def main():
                 timed(runner, passes, args.reps, rule, rows)
                 del runner
                 bench.release_memory()
-        rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
-            "no built-in relative bias: needs user score_mods")), rule="relative_bias")
-            for p in passes]
+        if ours:
+            rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
+                "no built-in relative bias: needs user score_mods")), rule="relative_bias")
+                for p in passes]
         del sets
         bench.release_memory()
 
     # Mask rules (the call not causal: the rule says what is seen).
     case = bench.Case.dense(args.seqlen, HEADDIM, False)
     sets = bench.input_sets(case)
-    for rule in ("document", "prefix_lm"):
+    for rule in ("document", "prefix_lm") if use_flex else ():
         rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
             "an element mask BlockMask cannot express: needs user mask_mods")), rule=rule)
             for p in passes]
-        if args.no_flex:
-            continue
         try:
             runner = FlexWith(case, sets, rule)
         except Exception as e:
@@ -186,19 +187,21 @@ def main():
     bench.release_memory()
 
     # Window against dense causal at the window's seqlen.
-    wcase = bench.Case.dense(args.window_seqlen, HEADDIM, True)
-    sets = bench.input_sets(wcase)
-    timed(OursWith(wcase, sets, "plain"), passes, args.reps, "causal", rows)
-    timed(OursWith(wcase, sets, "window", window_size=WINDOW), passes, args.reps,
-          f"window{WINDOW}", rows)
     share = visible_fraction(args.window_seqlen, WINDOW) / visible_fraction(args.window_seqlen,
                                                                             (-1, 0))
-    del sets
-    bench.release_memory()
+    if "window" in args.parts:
+        wcase = bench.Case.dense(args.window_seqlen, HEADDIM, True)
+        sets = bench.input_sets(wcase)
+        timed(OursWith(wcase, sets, "plain"), passes, args.reps, "causal", rows)
+        timed(OursWith(wcase, sets, "window", window_size=WINDOW), passes, args.reps,
+              f"window{WINDOW}", rows)
+        del sets
+        bench.release_memory()
 
     ratios = target_ratios(rows, share)
     bench.write_json(Path(args.out) / "variants_targets.json",
-                     bench.report("variants_targets", rows, ratios=ratios, window_share=share))
+                     bench.report("variants_targets", rows, ratios=ratios, window_share=share,
+                                  parts=args.parts))
     print("\n=== variants ===")
     for r in rows:
         val = (f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s" if "ms" in r

@@ -55,10 +55,25 @@ TOOL_ARGS = {"memcheck": ("--padding", "256")}
 @dataclass(frozen=True)
 class Case(gpu_checks.Case):
     block: tuple = None      # (block_q, block_k) of a BlockMask, None for dense
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False      # ALiBi slopes of shape (batch, nheads)
 
     @property
     def id(self):
-        return super().id + (f"-bs{self.block[0]}x{self.block[1]}" if self.block else "")
+        return (super().id + (f"-bs{self.block[0]}x{self.block[1]}" if self.block else "")
+                + (f"-w{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "")
+                + (f"-cap{self.softcap:g}" if self.softcap else "")
+                + ("-alibi" if self.alibi else ""))
+
+    def keywords(self, xp):
+        """The variant keywords of flash_attention, the slopes as ``xp`` arrays."""
+        import numpy as np
+        slopes = None
+        if self.alibi:
+            slopes = xp.asarray(0.5 ** (1 + np.arange(self.batch * self.nheads, dtype=np.float32)
+                                        .reshape(self.batch, self.nheads) / 2))
+        return dict(window_size=self.window, softcap=self.softcap, alibi_slopes=slopes)
 
     @property
     def modes(self):
@@ -91,6 +106,15 @@ CASES = (
     Case("fp16", 200, 130, 128, True, nheads=4, nheads_k=2, block=(128, 64)),
     Case("fp32", 97, 130, 40, False, block=(64, 64)),
     Case("fp64", 130, 97, 72, True, block=(64, 64)),
+    # Window, softcap and ALiBi (alone, together, with GQA, a block mask and the plain kernels).
+    Case("bf16", 300, 257, 128, True, nheads=4, nheads_k=2, window=(70, 0), softcap=10.0,
+         alibi=True),
+    Case("fp16", 257, 300, 64, False, window=(40, 30), alibi=True),
+    Case("bf16", 130, 97, 96, False, batch=2, softcap=5.0),
+    Case("fp16", 97, 130, 256, True, softcap=20.0, alibi=True),
+    Case("bf16", 200, 130, 64, False, block=(64, 64), softcap=3.0, alibi=True),
+    Case("fp32", 130, 97, 72, True, window=(30, 10), softcap=4.0, alibi=True),
+    Case("fp64", 97, 130, 40, False, softcap=2.0, alibi=True),
     # Plain float32 / float64 kernels.
     Case("fp32", 17, 130, 72, True, nheads=4, nheads_k=2),
     Case("fp64", 130, 97, 40, False, batch=2),
@@ -159,13 +183,14 @@ def _run_gpu(case, host, block_mask):
     import cupyflash as cf
     q, k, v, dout = (cp.asarray(x) for x in host)
     scale = case.d ** -0.5
+    variant = case.keywords(cp)
     out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
-                                  block_mask=block_mask, return_lse=True)
+                                  block_mask=block_mask, return_lse=True, **variant)
     grads = {}
     for mode in case.modes:
         g = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
                                         softmax_scale=scale, block_mask=block_mask,
-                                        deterministic=mode == "deterministic")
+                                        deterministic=mode == "deterministic", **variant)
         grads[mode] = tuple(cp.asnumpy(x) for x in g)
     return cp.asnumpy(out), cp.asnumpy(lse), grads
 
@@ -188,14 +213,16 @@ def _check(case, host, result, block_mask):
     out, lse, grads = result
     scale = case.d ** -0.5
     mask = None if block_mask is None else block_mask.to_dense()
-    ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask)
-    refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask)
+    variant = case.keywords(np)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask, **variant)
+    refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask, **variant)
     magnitude = max(float(np.abs(r).max()) for r in refs)
     names = ("dq", "dk", "dv")
     if case.dtype in gpu_checks.HALF:
-        naive_out, _ = attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask)
+        naive_out, _ = attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask, **variant)
         assert_rule("out", out, ref_out, naive_out, gpu_checks.FWD_FACTOR)
-        naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype, mask=mask)
+        naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype, mask=mask,
+                                          **variant)
         for mode, g in grads.items():
             for name, got, ref, naive in zip(names, g, refs, naives):
                 assert_rule(f"{name} ({mode})", got, ref, naive, gpu_checks.BWD_FACTOR, magnitude)
@@ -232,20 +259,22 @@ def planted(tool):
 def driver(ids):
     """Run and check the cases (all, or those named); the exit status is 3 if a check failed."""
     import cupy as cp
-    from cupyflash import _launch
+    from cupyflash import _launch, _spec
     cp.cuda.set_allocator(None)
     cases = [c for c in CASES if not ids or c.id in ids]
     failed = skipped = 0
     for case in cases:
         t0 = time.perf_counter()
         block_mask = _block_mask(case) if case.block else None
+        host = _host_inputs(case)
+        spec = _spec.CallSpec.of(host[0], causal=case.causal, block_mask=block_mask,
+                                 **case.keywords(cp))
         try:
-            _launch.check_supported(gpu_checks.DTYPES[case.dtype], case.d, block_mask)
-        except (TypeError, ValueError) as e:
+            _launch.check_supported(spec, block_mask)
+        except (TypeError, ValueError) as e:   # this GPU cannot run it (no tensor cores, ...)
             skipped += 1
             print(f"skip {case.id}: {e}", flush=True)
             continue
-        host = _host_inputs(case)
         try:
             _check(case, host, _run_gpu(case, host, block_mask), block_mask)
             print(f"ok   {case.id} ({time.perf_counter() - t0:.1f} s)", flush=True)

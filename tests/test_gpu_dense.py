@@ -134,19 +134,20 @@ def test_causal_rows_without_keys_are_zero(case, request):
     assert_rows_without_keys(out, lse, dq, slice(None, empty), slice(empty, None))
 
 
-def _poison_pool(nbytes_list, copies=4):
-    """Leave free blocks of exactly these sizes, filled with 0xFF bytes (NaN in every float
-    format), in CuPy's memory pool, so that the library's cp.empty outputs land on them."""
-    cp.cuda.Device().synchronize()
-    cp.get_default_memory_pool().free_all_blocks()
-    blocks = []
-    for n in nbytes_list:
-        for _ in range(copies):
-            a = cp.empty(n, cp.uint8)
+def _poisoned_pool(nbytes_list, copies=4):
+    """A new CuPy memory pool whose only free blocks have exactly these sizes and are filled
+    with 0xFF bytes (NaN in every float format), so that cp.empty outputs made under it land
+    on them. A new pool: the default one may keep unpoisoned free chunks of these sizes inside
+    blocks that earlier tests still partly use (free_all_blocks cannot release those)."""
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        blocks = [cp.empty(n, cp.uint8) for n in nbytes_list for _ in range(copies)]
+        for a in blocks:
             a.fill(255)
-            blocks.append(a)
-    del a
-    blocks.clear()
+        cp.cuda.Device().synchronize()
+        del a
+        blocks.clear()
+    return pool
 
 
 def _poison_cases():
@@ -173,16 +174,17 @@ def test_every_output_element_is_written(case, deterministic, sparse, request):
         mask = cf.BlockMask.from_dense(grid, 64, seqlen_q=case.sq, seqlen_k=case.sk)
     acc = 8 if case.dtype == "fp64" else 4
     lse_bytes = case.batch * case.nheads * case.sq * acc
-    _poison_pool(sorted({q.nbytes, k.nbytes, v.nbytes, lse_bytes, q.size * 4}))
-    probe = cp.empty(q.shape, q.dtype)
-    assert bool((probe.view(cp.uint8) == 255).all()), "test setup: the pool was not poisoned"
-    del probe
+    pool = _poisoned_pool(sorted({q.nbytes, k.nbytes, v.nbytes, lse_bytes, q.size * 4}))
     scale = case.d ** -0.5
-    out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
-                                  block_mask=mask, return_lse=True)
-    dq, dk, dv = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
-                                             softmax_scale=scale, block_mask=mask,
-                                             deterministic=deterministic)
+    with cp.cuda.using_allocator(pool.malloc):
+        probe = cp.empty(q.shape, q.dtype)
+        assert bool((probe.view(cp.uint8) == 255).all()), "test setup: the pool was not poisoned"
+        del probe
+        out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
+                                      block_mask=mask, return_lse=True)
+        dq, dk, dv = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
+                                                 softmax_scale=scale, block_mask=mask,
+                                                 deterministic=deterministic)
     for name, a in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not has_nan(a), f"{name} has NaN: an element was never written"
     elem = None if mask is None else cp.asarray(mask.to_dense())
