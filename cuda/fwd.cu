@@ -20,17 +20,18 @@
 // registers, two blocks per SM, 11-12% slower on the H100. 0 asks nothing and leaves ptxas its
 // own choice; 1 would let it take up to 255 registers (the d=64 causal kernel then took 225,
 // two blocks per SM instead of three, 11-15% slower at seqlen 1K-16K in fp16).
-template <int HeadDim, int Stages>
+// The score modifiers do not fit in 168 (NVRTC 13.5 spilled 24-36 bytes): they leave ptxas its choice.
+template <int HeadDim, int Stages, typename V>
 __host__ __device__ constexpr int fwd_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return HeadDim <= 64 && Stages == 2 ? 3 : 0;
+    return HeadDim <= 64 && Stages == 2 && !V::Softcap && !V::Alibi ? 3 : 0;
 #else
     return 0;
 #endif
 }
 
 template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, int Stages, typename V>
-__global__ void __launch_bounds__(NWarps * 32, (fwd_min_blocks<HeadDim, Stages>()))
+__global__ void __launch_bounds__(NWarps * 32, (fwd_min_blocks<HeadDim, Stages, V>()))
 flash_fwd_kernel(const FwdParams p) {
     constexpr int Threads = NWarps * 32;
     constexpr int MT = Br / (16 * NWarps);   // m16 tiles per warp

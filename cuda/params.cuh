@@ -32,7 +32,7 @@ struct BlockList {
 // float constants, which the kernels then read as operands instead of holding registers.
 struct ScoreParams {
     double softcap;          // > 0 with Softcap: scores s become softcap * tanh(s / softcap)
-    float softcap_in;        // 2 * scale * log2(e) / softcap: tanh(x) = 1 - 2 / (exp2(.) + 1)
+    float softcap_in;        // scale / softcap: the argument of tanh per unit of q.k
     float softcap_log2;      // softcap * log2(e): a tanh to log2 units
     const float* alibi;      // ALiBi slopes, float32 (batch, nheads) with batch stride
     int alibi_stride;        // nheads, or 0 for one row of slopes shared by the batch

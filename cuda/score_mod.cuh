@@ -10,10 +10,14 @@
 #include "common.cuh"
 #include "mask.cuh"
 
-// rcp.approx: 1 ulp, and 1/inf = 0, which the tanh below needs for large arguments.
-__device__ __forceinline__ float fast_rcp(float x) {
+// tanh.approx: one MUFU operation (relative error below 2^-10.9). On the H200 the exact form
+// 1 - 2 / (exp2(2x log2 e) + 1), two MUFU operations beside the softmax's exp2, made the d=128
+// forward 25-32% slower than plain attention (benchmarks/NOTES.md); the approximation's error
+// on the logits, softcap * t * 2^-11 <= |q.k scale| * 2^-11, is the size of the fp16 rounding of
+// the scores, and these kernels take fp16/bf16 inputs (the plain fp32/fp64 kernels use tanh).
+__device__ __forceinline__ float fast_tanh(float x) {
     float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
@@ -33,12 +37,10 @@ struct ScoreMod {
             bias = p.mod.alibi[static_cast<index_t>(b) * p.mod.alibi_stride + h] * p.mod.alibi_unit;
     }
 
-    // The held value of a raw score. tanh(x) = 1 - 2 / (e^2x + 1) with ex2.approx and
-    // rcp.approx is within a few 1e-7 of tanh everywhere (tanh.approx's 2^-11 relative error
-    // would reach the logits as softcap * 5e-4, more than a bf16 ulp of a probability).
+    // The held value of a raw score.
     __device__ __forceinline__ float held(float s) const {
         if constexpr (V::Softcap)
-            return fmaf(-2.f, fast_rcp(fast_exp2(s * p.mod.softcap_in) + 1.f), 1.f);
+            return fast_tanh(s * p.mod.softcap_in);
         else
             return s;
     }

@@ -156,7 +156,10 @@ def _parse_ptxas(log, lowered):
         m = re.search(r"Function properties for (\S+)", line) or \
             re.search(r"Compiling entry function '(\S+)'", line)
         if m:
-            current = lowered.get(m.group(1), current)
+            # A device function that ptxas keeps apart gets its own block after the kernel's:
+            # its figures are not the kernel's (its stack counts in the kernel's cumulative
+            # stack size, read below).
+            current = lowered.get(m.group(1))
             continue
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m and current:
@@ -165,5 +168,9 @@ def _parse_ptxas(log, lowered):
             continue
         m = re.search(r"Used (\d+) registers", line)
         if m and current:
-            stats.setdefault(current, [0, 0, 0, 0])[0] = int(m.group(1))
+            s = stats.setdefault(current, [0, 0, 0, 0])
+            s[0] = int(m.group(1))
+            m = re.search(r"(\d+) bytes cumulative stack size", line)
+            if m:
+                s[3] = max(s[3], int(m.group(1)))
     return {n: tuple(s) for n, s in stats.items()}

@@ -83,7 +83,7 @@ def _fill_dims(p, q, k, scale, spec, alibi_slopes):
     mult = scale * _config.LOG2E
     if spec.softcap:
         mod["softcap"] = spec.softcap
-        mod["softcap_in"] = 2 * scale * _config.LOG2E / spec.softcap
+        mod["softcap_in"] = scale / spec.softcap
         mult = mod["softcap_log2"] = spec.softcap * _config.LOG2E
     if alibi_slopes is not None:
         mod["alibi"] = alibi_slopes.data.ptr
@@ -264,6 +264,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         limit = _smem_limit()
         t = _config.tile("bwd", hd, limit, *_tile_limits(block_mask),
                          deterministic=dq_accum is None)
+        if dq_accum is not None:
+            # The dK/dV kernel adds whole tiles of t.br rows x the head-dim bucket, unchecked.
+            rows, cols = dq_accum.shape[2:]
+            if dq_accum.shape[:2] != (b, h) or rows % t.br or rows < sq or cols != hd:
+                raise AssertionError(f"dq_accum {dq_accum.shape}: the kernel adds {t.br}-row "
+                                     f"tiles of {hd} columns for (batch, seqlen_q, nheads) = "
+                                     f"{(b, sq, h)}")
         if block_mask is not None:
             _fill_lists(p, block_mask, t.br, t.bc, causal, kv=False, q=True)
         _check_lists(p, "q_blocks", t.bc, t.br)

@@ -38,14 +38,24 @@ def names_to_check(arch, filename):
 CASES = [(arch, f) for arch in ARCHS for f in FILES if names_to_check(arch, f)]
 
 # A local array indexed at run time lives on the stack: ptxas reports a stack frame and no
-# spills.
+# spills. The __noinline__ function gets a block of ptxas figures of its own, printed after
+# those of each kernel that calls it.
 STACK_PROBE = r"""
+__device__ __noinline__ float scatter_sum(const float* in, int i) {
+    float a[64];
+    for (int j = 0; j < 64; ++j) a[j] = in[j];
+    for (int j = 0; j < 64; ++j) a[(j * i) % 64] += 1.f;
+    float s = 0.f;
+    for (int j = 0; j < 64; ++j) s += a[j] * j;
+    return s;
+}
 __global__ void stack_kernel(float* out, int i) {
     float a[64];
     for (int j = 0; j < 64; ++j) a[j] = out[j];
     for (int j = 0; j < 64; ++j) a[(j * i) % 64] += 1.f;
     for (int j = 0; j < 64; ++j) out[j] = a[j];
 }
+__global__ void callee_stack_kernel(float* out, int i) { out[0] = scatter_sum(out, i); }
 __global__ void register_kernel(float* out) { out[0] = 1.f; }
 """
 
@@ -94,6 +104,7 @@ def test_compiles_without_local_memory(ptxas_stats, arch, filename):
 
 def test_a_stack_frame_is_local_memory(monkeypatch):
     monkeypatch.setattr(_compile, "source", lambda filename: STACK_PROBE)
-    stats = nvrtc_compile("probe.cu", ["stack_kernel", "register_kernel"], "sm_80")
-    assert set(stats) == {"stack_kernel", "register_kernel"}
-    assert set(local_memory(stats)) == {"stack_kernel"}, stats
+    names = ["stack_kernel", "callee_stack_kernel", "register_kernel"]
+    stats = nvrtc_compile("probe.cu", names, "sm_80")
+    assert set(stats) == set(names)
+    assert set(local_memory(stats)) == {"stack_kernel", "callee_stack_kernel"}, stats
