@@ -4,8 +4,9 @@
                                         [--parts ours flex window] [--reps 20]
 
 - Score modifiers, at ``--seqlen`` (16K tokens, 16 heads), causal and not, forward and
-  backward: ours plain, ``softcap=30``, ALiBi (ALiBi's geometric slopes), both. Target: each
-  <= 1.10 x ours plain of the same causal flag and pass.
+  backward: ours plain, ``softcap=30``, ALiBi (ALiBi's geometric slopes), both, and
+  ``dropout_p=0.1``. Targets: softcap and ALiBi <= 1.10 x ours plain of the same causal flag
+  and pass, dropout <= 1.25 x.
 - FlexAttention (torch.compile(flex_attention)) on the same rules beside ours: plain, softcap,
   ALiBi, a T5-style relative-position bias (a learned table of 2 * 128 - 1 buckets), a document
   mask (8 documents of random lengths, causal inside each) and prefix-LM (a 1024-token
@@ -30,7 +31,8 @@ from cupyflash.bench.cases import cp
 from cupyflash.bench.peers import _TorchRunner, flex
 
 HEADDIM, SOFTCAP, PREFIX, DOCUMENTS, WINDOW = 128, 30.0, 1024, 8, (1024, 0)
-MOD_TARGET, WINDOW_TARGET = 1.10, 1.3
+MOD_TARGET, DROPOUT_TARGET, WINDOW_TARGET = 1.10, 1.25, 1.3
+DROPOUT_P = 0.1
 
 
 def alibi_slopes(nheads):
@@ -118,6 +120,8 @@ def ours_keywords(rule, nheads):
         return dict(alibi_slopes=cp.asarray(alibi_slopes(nheads), cp.float32))
     if rule == "softcap_alibi":
         return dict(softcap=SOFTCAP, alibi_slopes=cp.asarray(alibi_slopes(nheads), cp.float32))
+    if rule == "dropout":
+        return dict(dropout_p=DROPOUT_P, seed=0)
     return {}
 
 
@@ -148,7 +152,7 @@ def main():
     for causal in (False, True):
         case = bench.Case.dense(args.seqlen, HEADDIM, causal)
         sets = bench.input_sets(case)
-        for rule in ("plain", "softcap", "alibi", "softcap_alibi") if ours else ():
+        for rule in ("plain", "softcap", "alibi", "softcap_alibi", "dropout") if ours else ():
             timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads)), passes,
                   args.reps, rule, rows)
         if use_flex:
@@ -221,8 +225,10 @@ def target_ratios(rows, share):
     for (impl, rule, causal, pass_), t in ms.items():
         if impl != "cupyflash":
             continue
-        if rule in ("softcap", "alibi", "softcap_alibi") and (impl, "plain", causal, pass_) in ms:
-            out.append(dict(what=f"{rule} causal={causal} {pass_} / plain", target=MOD_TARGET,
+        if (rule in ("softcap", "alibi", "softcap_alibi", "dropout")
+                and (impl, "plain", causal, pass_) in ms):
+            out.append(dict(what=f"{rule} causal={causal} {pass_} / plain",
+                            target=DROPOUT_TARGET if rule == "dropout" else MOD_TARGET,
                             ratio=t / ms[impl, "plain", causal, pass_]))
         if rule.startswith("window") and (impl, "causal", causal, pass_) in ms:
             out.append(dict(what=f"{rule} {pass_} / (share x causal)", target=WINDOW_TARGET,

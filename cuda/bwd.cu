@@ -13,6 +13,7 @@
 #include "mask.cuh"
 #include "block_iter.cuh"
 #include "score_mod.cuh"
+#include "dropout.cuh"
 
 // Row `row` of head h of a row statistic (lse, D, lse in log2 units).
 template <typename Acc>
@@ -173,7 +174,7 @@ __device__ __forceinline__ void rows_times_rows(float (&acc)[KM][QW / 8][4], u32
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 acc[km][i][e] = c ? -c[b0 + i * 8 + 2 * t + (e & 1)] : 0.f;
-                if constexpr (Second) acc2[km][i][e] = -c2[b0 + i * 8 + 2 * t + (e & 1)];
+                if constexpr (Second) acc2[km][i][e] = c2 ? -c2[b0 + i * 8 + 2 * t + (e & 1)] : 0.f;
             }
 #pragma unroll
     for (int ks = 0; ks < HeadDim / 16; ++ks) {
@@ -242,6 +243,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const SeqInfo<BwdParams> seq(p, at.batch);
     const Mask<V, BwdParams> mask(p);
     ScoreMod<V, BwdParams> mod(p);
+    Dropout drop(p, at.batch, 0);
+    static_assert(!(V::Dropout && V::Softcap), "softcap's P^T store would skip the dropout");
     const int hk = at.head, n_tile = at.tile;
     const int col0 = n_tile * Bc;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -318,12 +321,15 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const float* sLse2 = stats_of(buf);
         const float* sD = sLse2 + Br;
         mod.at_head(seq.b, hk * p.group + cur.hq);
+        drop.at_head(p, seq.b, hk * p.group + cur.hq);
+        // With dropout, D is subtracted after dP^T is dropped: dS^T = P^T (keep dP^T / (1 - p) - D).
+        const float* sDsub = V::Dropout ? nullptr : sD;
 
         // S^T = K Q^T and dP^T - D = V dO^T - D for the warp's 16*KM keys x QW queries; D starts
         // the dP^T sums, one FADD per element less than subtracting it after (H100, NVRTC 13.5:
         // d=64 +3-4%, d=128 +1-2%).
         float st[KM][QW / 8][4], dpt[KM][QW / 8][4];
-        rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, nullptr, dpt, sVa, sdOa, sD, key0, qw * QW, lane);
+        rows_times_rows<Elem, HeadDim, KM, QW, LD, Fused>(st, sKa, sQa, nullptr, dpt, sVa, sdOa, sDsub, key0, qw * QW, lane);
         // Softcap: S^T to held values t (score_mod.cuh) before the mask, as the forward did.
         if constexpr (V::Softcap) {
 #pragma unroll
@@ -363,7 +369,14 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                 for (int e = 0; e < 4; ++e) st[km][nt][e] = pv[e] * mod.grad(st[km][nt][e]);
             }
         if constexpr (!Fused)
-            rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, sD, dpt, 0, 0, nullptr, key0, qw * QW, lane);
+            rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, sDsub, dpt, 0, 0, nullptr, key0, qw * QW, lane);
+        // Dropout: dS^T complete here, and P^T becomes the dropped, scaled weights of dV.
+        if constexpr (V::Dropout)
+            drop.for_each<true, KM, QW / 8>(col0 + key0, m0 + qw * QW, lane, [&](int km, int nt, int e, unsigned keep) {
+                const float d = sD[qw * QW + nt * 8 + 2 * t + (e & 1)], pv = st[km][nt][e];
+                dpt[km][nt][e] = pv * (keep ? fmaf(dpt[km][nt][e], drop.scale, -d) : -d);
+                st[km][nt][e] = keep ? pv * drop.scale : 0.f;
+            });
 
         // dS^T = P^T (dP^T - D) (times the softcap's factor, above); P^T and dS^T go through shared memory (keeping P^T in
         // registers spills at head dim 128).
@@ -371,9 +384,10 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         for (int km = 0; km < KM; ++km)
 #pragma unroll
         for (int nt = 0; nt < QW / 8; ++nt) {
+            if constexpr (!V::Dropout)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dpt[km][nt][e] *= st[km][nt][e];
+                for (int e = 0; e < 4; ++e)
+                    dpt[km][nt][e] *= st[km][nt][e];
             const int c = qw * QW + nt * 8 + 2 * t;
             const int r = key0 + km * 16 + g;
             if constexpr (!V::Softcap) store_acc_pairs<Elem>(sPt, LDP, r, c, st[km][nt]);
@@ -472,6 +486,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const int h = at.head, hk = h / p.group;
     ScoreMod<V, BwdParams> mod(p);
     mod.at_head(at.batch, h);
+    const Dropout drop(p, at.batch, h);
     const int qblock = at.tile;
     const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -553,8 +568,13 @@ flash_bwd_dq_kernel(const BwdParams p) {
                 const float held = mod.held(s[nt][e]);
                 float pv = fast_exp2(fmaf(mod.bias_at(dist0, C::ddiff(0, nt, e), held), mod.mult(), -lse2[hf]));
                 if (masked && mask.hidden(row, n0 + nt * 8 + 2 * t + (e & 1))) pv = 0.f;
-                s[nt][e] = pv * (dp[nt][e] - dsum[hf]) * mod.grad(held);   // dS
+                s[nt][e] = V::Dropout ? pv * mod.grad(held) : pv * (dp[nt][e] - dsum[hf]) * mod.grad(held);   // dS
             }
+        if constexpr (V::Dropout)   // dS = P (keep dP / (1 - p) - D)
+            drop.for_each<false, 1, NT>(row0 + warp * 16, n0, lane, [&](int, int n, int e, unsigned keep) {
+                const float d = dsum[e / 2];
+                s[n][e] *= keep ? fmaf(dp[n][e], drop.scale, -d) : -d;
+            });
 
         // dQ += dS K, dS converted in registers to the A-operand layout.
 #pragma unroll

@@ -12,6 +12,7 @@
 #include "seqinfo.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
+#include "dropout.cuh"
 #include "block_iter.cuh"
 
 // Blocks per SM the register allocation must leave room for: three of the double-buffered
@@ -20,11 +21,12 @@
 // registers, two blocks per SM, 11-12% slower on the H100. 0 asks nothing and leaves ptxas its
 // own choice; 1 would let it take up to 255 registers (the d=64 causal kernel then took 225,
 // two blocks per SM instead of three, 11-15% slower at seqlen 1K-16K in fp16).
-// The score modifiers do not fit in 168 (NVRTC 13.5 spilled 24-36 bytes): they leave ptxas its choice.
+// The score modifiers and dropout do not fit in 168 (NVRTC 13.5 spilled 8-36 bytes): they leave
+// ptxas its choice.
 template <int HeadDim, int Stages, typename V>
 __host__ __device__ constexpr int fwd_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return HeadDim <= 64 && Stages == 2 && !V::Softcap && !V::Alibi ? 3 : 0;
+    return HeadDim <= 64 && Stages == 2 && !V::Softcap && !V::Alibi && !V::Dropout ? 3 : 0;
 #else
     return 0;
 #endif
@@ -56,6 +58,7 @@ flash_fwd_kernel(const FwdParams p) {
     const int h = at.head, hk = h / p.group;
     ScoreMod<V, FwdParams> mod(p);
     mod.at_head(at.batch, h);
+    const Dropout drop(p, at.batch, h);
     const int qblock = at.tile;
     const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -152,6 +155,11 @@ flash_fwd_kernel(const FwdParams p) {
         mod.apply<false>(s, row0 + wrow, n0, lane);
         if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
         softmax.update(s, acc, mod.mult());
+        // Dropped weights leave O, not l: the softmax's sums are the undropped ones.
+        if constexpr (V::Dropout)
+            drop.for_each<false, MT, NT>(row0 + wrow, n0, lane, [&](int m, int n, int e, unsigned keep) {
+                if (!keep) s[m][n][e] = 0.f;
+            });
         // P to 16-bit A operands now, so that S's registers are free across the K load below.
         u32 pa[MT][Bc / 16][4];
 #pragma unroll
@@ -193,6 +201,9 @@ flash_fwd_kernel(const FwdParams p) {
 
     float inv_l[2 * MT], lse[2 * MT];
     softmax.finalize(mod.mult(), inv_l, lse);
+    if constexpr (V::Dropout)
+#pragma unroll
+        for (int r = 0; r < 2 * MT; ++r) inv_l[r] *= drop.scale;
 
     // Normalize, stage the warp's own rows of O in sQ (no other warp reads them), then store
     // the tile with 16-byte writes.

@@ -22,6 +22,7 @@
 #include "seqinfo.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
+#include "dropout.cuh"
 
 namespace generic_impl {
 
@@ -237,6 +238,8 @@ generic_fwd_kernel(const FwdParams p) {
     const int h = blockIdx.y, hk = h / p.group;
     PlainScoreMod<V, T> mod(p);
     mod.at_head(p, seq.b, h);
+    const Dropout drop(p, seq.b, h);
+    const T drop_scale = static_cast<T>(p.drop.scale);
     const int row = blockIdx.x * kWarps + warp;
     const bool active = row < seq.seqlen_q();
     const int kbegin = mask.key_begin(row);
@@ -281,7 +284,9 @@ generic_fwd_kernel(const FwdParams p) {
             l = l * alpha + warp_sum(pj);
 #pragma unroll
             for (int i = 0; i < N; ++i) o[i] *= alpha;
-            add_weighted_rows<T, HeadDim>(o, pj, v_tile, lane);
+            // Dropout drops weights from o only: l is the undropped sum.
+            const T wj = !V::Dropout ? pj : drop.keep(row, k0 + lane) ? pj * drop_scale : T(0);
+            add_weighted_rows<T, HeadDim>(o, wj, v_tile, lane);
             m = m_new;
         }
     }
@@ -312,6 +317,8 @@ generic_bwd_dq_kernel(const BwdParams p) {
     const int h = blockIdx.y, hk = h / p.group;
     PlainScoreMod<V, T> mod(p);
     mod.at_head(p, seq.b, h);
+    const Dropout drop(p, seq.b, h);
+    const T drop_scale = static_cast<T>(p.drop.scale);
     const int row = blockIdx.x * kWarps + warp;
     const bool active = row < seq.seqlen_q();
     const int kbegin = mask.key_begin(row);
@@ -352,7 +359,9 @@ generic_bwd_dq_kernel(const BwdParams p) {
             const T s = mod(dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row_shift - k0 - lane, grad);
             const T dp = dot_with_rows<T, HeadDim>(dout, v_tile, lane);
             const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
-            add_weighted_rows<T, HeadDim>(dq, pj * (dp - dsum) * grad, k_tile, lane);
+            // dS = P (keep dP / (1 - p) - D) with dropout.
+            const T dpd = !V::Dropout ? dp : drop.keep(row, k0 + lane) ? dp * drop_scale : T(0);
+            add_weighted_rows<T, HeadDim>(dq, pj * (dpd - dsum) * grad, k_tile, lane);
         }
     }
 
@@ -384,6 +393,8 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     const int last_key = min(first_key + kWarps, seq.seqlen_k()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
     PlainScoreMod<V, T> mod(p);
+    Dropout drop(p, seq.b, 0);
+    const T drop_scale = static_cast<T>(p.drop.scale);
     const int shift_key = seq.seqlen_k() - seq.seqlen_q() - key;   // ALiBi distance - query
     auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
     auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
@@ -398,6 +409,7 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
         const int h = hk * p.group + g;
         const index_t stat0 = seq.stat(h, 0);
         mod.at_head(p, seq.b, h);
+        drop.at_head(p, seq.b, h);
         auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
         auto dout_rows = [&](int r) { return seq.q_row<const T>(p.dout, h, r); };
         // Each query head its own list (one shared list when the mask has one head).
@@ -422,8 +434,10 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
                 const T s = mod(dot_with_rows<T, HeadDim>(k, q_tile, lane) * scale, qi + shift_key, grad);
                 const T dp = dot_with_rows<T, HeadDim>(v, dout_tile, lane);
                 const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
-                add_weighted_rows<T, HeadDim>(dv, pj, dout_tile, lane);
-                add_weighted_rows<T, HeadDim>(dk, pj * (dp - dsum) * grad, q_tile, lane);
+                const bool kept = !V::Dropout || drop.keep(qi, key);
+                const T dpd = !V::Dropout ? dp : kept ? dp * drop_scale : T(0);
+                add_weighted_rows<T, HeadDim>(dv, !V::Dropout ? pj : kept ? pj * drop_scale : T(0), dout_tile, lane);
+                add_weighted_rows<T, HeadDim>(dk, pj * (dpd - dsum) * grad, q_tile, lane);
             }
         }
     }

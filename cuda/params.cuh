@@ -39,6 +39,14 @@ struct ScoreParams {
     float alibi_unit;        // -log2(e) / ScoreMod::mult: a slope to a bias in held units
 };
 
+// Dropout of a Variant with Dropout (dropout.cuh, philox.cuh).
+struct DropoutParams {
+    unsigned long long seed;   // the Philox key
+    unsigned offset;           // the counter's last word
+    unsigned threshold;        // a word below it drops its element
+    double scale;              // 1 / (1 - dropout_p): kept weights are scaled by it
+};
+
 struct FwdParams {
     TensorRef q, k, v, o;
     void* lse;           // (batch, nheads, seqlen_q), contiguous, natural log; float32,
@@ -52,6 +60,7 @@ struct FwdParams {
     float scale_log2;    // scale * log2(e): the fp16/bf16/fp32 kernels work in base 2
     int window_left, window_right;   // the band of a local Variant (mask.cuh)
     ScoreParams mod;     // softcap and ALiBi (score_mod.cuh)
+    DropoutParams drop;
     BlockList kv_blocks; // per query tile, the key tiles to visit
 };
 
@@ -75,6 +84,7 @@ struct BwdParams {
     float scale_log2;
     int window_left, window_right;
     ScoreParams mod;
+    DropoutParams drop;
     BlockList kv_blocks; // per query tile, the key tiles to visit (dQ pass)
     BlockList q_blocks;  // per key tile, the query tiles that visit it (dK/dV pass)
 };

@@ -3,11 +3,12 @@
 // a new feature adds a flag here and there and nowhere in between.
 #pragma once
 
-template <bool Causal_, bool Local_, bool Softcap_, bool Alibi_>
+template <bool Causal_, bool Local_, bool Softcap_, bool Alibi_, bool Dropout_>
 struct Variant {
     static constexpr bool Causal = Causal_;   // the band (-inf, 0]: causal, bottom-right aligned
     static constexpr bool Local = Local_;     // a band (left, right) read at run time (Mask)
     static constexpr bool Band = Causal || Local;   // the band hides some keys from some rows
     static constexpr bool Softcap = Softcap_; // scores capped by tanh (ScoreMod)
     static constexpr bool Alibi = Alibi_;     // ALiBi bias from per-head slopes (ScoreMod)
+    static constexpr bool Dropout = Dropout_; // dropout of the probabilities (dropout.cuh)
 };

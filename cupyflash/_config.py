@@ -51,6 +51,10 @@ def head_dim_bucket(d):
 
 
 class _Tile:
+    # Features (CallSpec.extras: "softcap", "alibi", "dropout") whose kernels spill at this
+    # tile, the register file full already: calls with one take the next tile.
+    spills_with = frozenset()
+
     def fits(self, hd, smem_limit):
         return self.smem_bytes(hd) <= smem_limit
 
@@ -65,6 +69,7 @@ class FwdTile(_Tile):
     # causal kernel needs 218 registers, 2 blocks per SM instead of 3, and was 6-9% slower
     # (1-3% with 3 blocks forced by a launch bound).
     stages: int = 1
+    spills_with: frozenset = frozenset()
 
     def stages_for(self, causal):
         return 1 if causal else self.stages
@@ -86,6 +91,7 @@ class BwdTile(_Tile):
     atomic_only: bool = False   # spills in the deterministic variant (no dQ atomics)
     km: int = 1       # 16-row slices of keys (and dQ rows) per warp
     stages: int = 1   # buffers of Q, dO, lse and D (2: the next step's loads under the math)
+    spills_with: frozenset = frozenset()
 
     def smem_bytes(self, hd):
         k_v = 2 * self.bc * (hd + SMEM_PAD) * 2                         # K, V
@@ -104,12 +110,15 @@ class DqTile(_Tile):
         return (2 * self.br + 2 * self.bc) * (hd + SMEM_PAD) * 2
 
 
+_DROP = frozenset({"dropout"})
+_ALL = frozenset({"softcap", "alibi", "dropout"})
+
 # Largest first; the first tile whose shared memory fits the device is taken.
 _FWD = {
     32: [FwdTile(128, 64, 4), FwdTile(64, 64, 2)],
     64: [FwdTile(128, 64, 4, stages=2), FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
-    96: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
-    128: [FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
+    96: [FwdTile(128, 64, 4, spills_with=_DROP), FwdTile(64, 64, 4)],
+    128: [FwdTile(128, 64, 4, spills_with=_DROP), FwdTile(64, 64, 4)],
     160: [FwdTile(64, 64, 4)],
     192: [FwdTile(64, 64, 4)],
     224: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
@@ -117,12 +126,13 @@ _FWD = {
 }
 _BWD = {
     32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8)],
-    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2), BwdTile(128, 128, 8, km=2),
-         BwdTile(128, 64, 8), BwdTile(64, 64, 8)],
-    96: [BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
-    128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2),
-          BwdTile(128, 64, 8, atomic_only=True, km=2), BwdTile(128, 64, 8), BwdTile(64, 64, 8),
-          BwdTile(64, 32, 4)],
+    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2, spills_with=_ALL),
+         BwdTile(128, 128, 8, km=2, spills_with=_ALL), BwdTile(128, 64, 8),
+         BwdTile(64, 64, 8)],
+    96: [BwdTile(64, 64, 8, spills_with=_DROP), BwdTile(64, 32, 4)],
+    128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2, spills_with=_DROP),
+          BwdTile(128, 64, 8, atomic_only=True, km=2, spills_with=_DROP),
+          BwdTile(128, 64, 8, spills_with=_DROP), BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     192: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     224: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
@@ -144,13 +154,17 @@ _TABLES = {"fwd": _FWD, "bwd": _BWD, "dq": _DQ}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
-def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK, deterministic=False):
+def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK, deterministic=False,
+         extras=()):
     """The tile for ``pass_`` ("fwd", "bwd" or "dq") at head-dim bucket ``hd``. A block-sparse
     mask bounds the tile by its block sizes (``max_q`` x ``max_k``) so that every kernel tile
     lies inside one mask block; ``deterministic`` picks the dK/dV tile of the pass without dQ
-    atomics."""
+    atomics; ``extras`` (CallSpec.extras) skips tiles whose kernels with those features
+    spill."""
     for t in _TABLES[pass_][hd]:
         if deterministic and getattr(t, "atomic_only", False):
+            continue
+        if t.spills_with.intersection(extras):
             continue
         if t.fits(hd, smem_limit) and t.br <= max_q and t.bc <= max_k:
             return t

@@ -21,10 +21,12 @@ BLOCK_LIST = np.dtype([("idx", np.uint64), ("count", np.uint64), ("partial", np.
 SCORE_PARAMS = np.dtype([("softcap", np.float64), ("softcap_in", np.float32),
                          ("softcap_log2", np.float32), ("alibi", np.uint64),
                          ("alibi_stride", np.int32), ("alibi_unit", np.float32)], align=True)
+DROPOUT_PARAMS = np.dtype([("seed", np.uint64), ("offset", np.uint32), ("threshold", np.uint32),
+                           ("scale", np.float64)], align=True)
 _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("group", np.int32),
          ("seqlen_q", np.int32), ("seqlen_k", np.int32), ("headdim", np.int32),
          ("vec_ok", np.int32), ("launch_group", np.int32), ("scale", np.float64), ("scale_log2", np.float32),
-         ("window_left", np.int32), ("window_right", np.int32), ("mod", SCORE_PARAMS)]
+         ("window_left", np.int32), ("window_right", np.int32), ("mod", SCORE_PARAMS), ("drop", DROPOUT_PARAMS)]
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
                       + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
@@ -64,7 +66,7 @@ def _vec_ok(*arrays):
     return True
 
 
-def _fill_dims(p, q, k, scale, spec, alibi_slopes):
+def _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout):
     b, sq, h, d = q.shape
     sk = k.shape[1]
     p["batch"], p["nheads"], p["nheads_k"] = b, h, k.shape[2]
@@ -89,6 +91,12 @@ def _fill_dims(p, q, k, scale, spec, alibi_slopes):
         mod["alibi"] = alibi_slopes.data.ptr
         mod["alibi_stride"] = alibi_slopes.strides[0] // 4 if alibi_slopes.ndim == 2 else 0
         mod["alibi_unit"] = -_config.LOG2E / mult
+    if spec.dropout:   # cuda/dropout.cuh; the generator's spec is cupyflash/dropout.py's
+        from . import dropout as _dropout
+        drop = p["drop"]
+        drop["seed"], drop["offset"] = dropout
+        drop["threshold"] = _dropout.threshold(spec.dropout)
+        drop["scale"] = 1.0 / (1.0 - spec.dropout)
 
 
 def _smem_limit():
@@ -185,7 +193,10 @@ def _check_lists(p, field, row_tile, list_tile):
 def check_supported(spec, block_mask):
     """Raise, before anything is allocated, where the current GPU cannot run this call:
     fp16/bf16 need tensor cores of sm_80+, and every kernel's tile must fit its shared
-    memory."""
+    memory; dropout with softcap or ALiBi has no kernels yet."""
+    if spec.dropout and (spec.softcap or spec.alibi):
+        raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes has no GPU kernels "
+                                  "yet (NumPy arrays run it)")
     import cupy
     dev = cupy.cuda.Device()
     hd = spec.headdim
@@ -197,7 +208,7 @@ def check_supported(spec, block_mask):
                             f"device {dev.id} is {cc // 10}.{cc % 10} (use float32)")
         try:
             for pass_ in ("fwd", "bwd", "dq"):
-                _config.tile(pass_, hd, limit, *_tile_limits(block_mask))
+                _config.tile(pass_, hd, limit, *_tile_limits(block_mask), extras=spec.extras)
         except RuntimeError as e:
             raise ValueError(f"headdim bucket {hd} with {spec.dtype}: {e}") from None
     else:
@@ -208,19 +219,20 @@ def check_supported(spec, block_mask):
                              f"device {dev.id} has {limit}")
 
 
-def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None):
+def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, dropout=None):
     """Launch the forward pass of the call ``spec`` (a CallSpec). ``out`` and ``lse`` are
-    preallocated outputs."""
+    preallocated outputs; ``dropout`` the (seed, offset) of a spec with dropout."""
     p = np.zeros((), FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         _tensor_ref(p[name], a)
     p["lse"] = lse.data.ptr
-    _fill_dims(p, q, k, scale, spec, alibi_slopes)
+    _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout)
     p["vec_ok"] = _vec_ok(q, k, v, out)
     b, sq, h, d = q.shape
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
     if spec.dtype in TENSOR_CORE:
-        t = _config.tile("fwd", hd, _smem_limit(), *_tile_limits(block_mask))
+        t = _config.tile("fwd", hd, _smem_limit(), *_tile_limits(block_mask),
+                         extras=spec.extras)
         if block_mask is not None:
             _fill_lists(p, block_mask, t.br, t.bc, spec.causal, kv=True, q=False)
         _check_lists(p, "kv_blocks", t.br, t.bc)
@@ -238,7 +250,7 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None):
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask=None,
-             alibi_slopes=None):
+             alibi_slopes=None, dropout=None):
     """Launch the backward passes of the call ``spec``. ``dq``, ``dk``, ``dv`` and ``stats``
     (D and lse in log2 units, ``(2,) + lse.shape`` in lse's dtype, written by the first pass)
     are preallocated; ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or
@@ -251,7 +263,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     if dq_accum is not None:
         p["dq_accum"] = dq_accum.data.ptr
         p["dq_accum_rows"], p["dq_accum_cols"] = dq_accum.shape[2:]
-    _fill_dims(p, q, k, scale, spec, alibi_slopes)
+    _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout)
     p["vec_ok"] = _vec_ok(q, k, v, out, dout, dq, dk, dv)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -263,7 +275,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     if spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         t = _config.tile("bwd", hd, limit, *_tile_limits(block_mask),
-                         deterministic=dq_accum is None)
+                         deterministic=dq_accum is None, extras=spec.extras)
         if dq_accum is not None:
             # The dK/dV kernel adds whole tiles of t.br rows x the head-dim bucket, unchecked.
             rows, cols = dq_accum.shape[2:]
@@ -279,7 +291,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sk, t.bc), hk, b, causal), 32 * t.warps,
                 t.smem_bytes(hd), p[()])
         if dq_accum is None:
-            t = _config.tile("dq", hd, limit, *_tile_limits(block_mask))
+            t = _config.tile("dq", hd, limit, *_tile_limits(block_mask), extras=spec.extras)
             if block_mask is not None:
                 _fill_lists(p, block_mask, t.br, t.bc, causal, kv=True, q=False)
             _check_lists(p, "kv_blocks", t.br, t.bc)
@@ -319,17 +331,22 @@ def kernel_names(smem_limit):
         names["bwd.cu"].append(template_name("bwd_convert_dq_kernel", elem))
     every = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
     dense = [(_config.MAX_BLOCK, _config.MAX_BLOCK)]   # the tiles of dense calls
-    # Every band with every score modifier (softcap, ALiBi, both); a window is refused with a
-    # block mask, so its kernels need only the dense tiles.
-    variants = [(_spec.CallSpec("float16", 0, window=w, softcap=cap, alibi=alibi), limits)
+    # Every band with every score modifier (softcap, ALiBi, both) and with dropout (alone: not
+    # yet with a modifier, check_supported); a window is refused with a block mask, so its
+    # kernels need only the dense tiles.
+    variants = [(_spec.CallSpec("float16", 0, window=w, softcap=cap, alibi=alibi, dropout=drop),
+                 limits)
                 for w, limits in ((_spec.NO_WINDOW, every), (_spec.CAUSAL, every), ((1, 1), dense))
-                for cap, alibi in ((0.0, False), (1.0, False), (0.0, True), (1.0, True))]
+                for cap, alibi, drop in ((0.0, False, 0.0), (1.0, False, 0.0), (0.0, True, 0.0),
+                                         (1.0, True, 0.0), (0.0, False, 0.5))]
     for hd in _config.HEAD_DIM_BUCKETS:
         for spec, limits in variants:
-            fwd = {_config.tile("fwd", hd, smem_limit, *lim) for lim in limits}
-            bwd = {(_config.tile("bwd", hd, smem_limit, *lim, deterministic=not atomic), atomic)
+            ex = spec.extras
+            fwd = {_config.tile("fwd", hd, smem_limit, *lim, extras=ex) for lim in limits}
+            bwd = {(_config.tile("bwd", hd, smem_limit, *lim, deterministic=not atomic,
+                                 extras=ex), atomic)
                    for lim in limits for atomic in (False, True)}
-            dq = {_config.tile("dq", hd, smem_limit, *lim) for lim in limits}
+            dq = {_config.tile("dq", hd, smem_limit, *lim, extras=ex) for lim in limits}
             variant, band = spec.variant(), spec.masked_band
             for elem in (ELEM[d] for d in TENSOR_CORE):
                 for t in sorted(fwd, key=repr):

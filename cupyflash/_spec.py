@@ -96,7 +96,14 @@ class CallSpec:
         """Some key is hidden from some row by the band (not by sequence ends)."""
         return self.window != NO_WINDOW
 
+    @property
+    def extras(self):
+        """The features beyond the band that cost the kernels registers (the tile table skips
+        tiles that spill with them, _config.tile)."""
+        return tuple(name for name, on in (("softcap", self.softcap > 0), ("alibi", self.alibi),
+                                           ("dropout", self.dropout > 0)) if on)
+
     def variant(self):
         """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh)."""
-        flags = (self.causal, self.local, self.softcap > 0, self.alibi)
+        flags = (self.causal, self.local, self.softcap > 0, self.alibi, self.dropout > 0)
         return "Variant<" + ", ".join("true" if f else "false" for f in flags) + ">"

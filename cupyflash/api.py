@@ -121,7 +121,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
             out, lse = _numpy_backend.forward(q, k, v, scale, spec, block_mask, alibi_slopes,
                                               seed, offset)
         else:
-            out, lse = _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes)
+            out, lse = _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset)
         out = _arrays.to_caller(out, kind)
         return (out, _arrays.to_caller(lse, kind)) if return_lse else out
 
@@ -170,7 +170,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
                                             alibi_slopes, seed, offset)
         else:
             grads = _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask,
-                                  alibi_slopes, deterministic)
+                                  alibi_slopes, seed, offset, deterministic)
         return tuple(_arrays.to_caller(g, kind) for g in grads)
 
 
@@ -203,32 +203,22 @@ def _scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
-def _refuse_gpu_dropout(spec):
-    """Before anything is allocated: the kernels have no dropout yet."""
-    if spec.dropout:
-        raise NotImplementedError(
-            f"dropout has no GPU kernels yet (dropout_p={spec.dropout!r}); pass NumPy arrays "
-            f"to run the NumPy path, or dropout_p=0")
-
-
-def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes):
+def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset):
     """Runs inside the caller's device and stream (``_arrays.launch_context``)."""
     import cupy as cp
     from . import _launch
-    _refuse_gpu_dropout(spec)
     _launch.check_supported(spec, block_mask)
     b, sq, h, _ = q.shape
     out = cp.empty(q.shape, q.dtype)
     lse = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
-    _launch.forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes)
+    _launch.forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, (seed, offset))
     return out, lse
 
 
-def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes,
+def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, seed, offset,
                   deterministic):
     import cupy as cp
     from . import _launch
-    _refuse_gpu_dropout(spec)
     _launch.check_supported(spec, block_mask)
     b, sq, h, _ = q.shape
     dq = cp.empty(q.shape, q.dtype)
@@ -240,5 +230,5 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
     use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
     dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
     _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
-                     block_mask, alibi_slopes)
+                     block_mask, alibi_slopes, (seed, offset))
     return dq, dk, dv

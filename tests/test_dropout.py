@@ -9,10 +9,11 @@
   variants and block masks), under the tolerance of tests/test_variants.py (float64 within
   1e-12 of max(max|ref|, 1), float32 FlashAttention's rule); gradients against finite
   differences; dropout_p = 0 is no dropout bit for bit.
-- CuPy inputs with dropout refuse with NotImplementedError before anything runs (no kernels
-  yet).
+- The same table on the GPU in every dtype, atomic and deterministic, and larger shapes:
+  the kernels drop exactly the public mask's elements. Dropout with softcap or ALiBi refuses
+  on the GPU with NotImplementedError before anything runs (no kernels yet).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -210,18 +211,21 @@ def test_dropout_mask_returns_cupy_arrays_for_xp_cupy():
 
 
 @pytest.mark.gpu
-def test_dropout_on_cupy_arrays_is_not_implemented_yet_and_runs_nothing(monkeypatch):
+@pytest.mark.parametrize("kw", [dict(softcap=2.0), dict(alibi_slopes=np.float32([0.5, 0.25]))],
+                         ids=["softcap", "alibi"])
+def test_dropout_with_a_score_modifier_on_the_gpu_refuses_and_runs_nothing(monkeypatch, kw):
     import cupy
     q = cupy.asarray(random_array(np, (1, 40, 2, 16), np.float16, 1))
-    out, lse = cf.flash_attention(q, q, q, return_lse=True)
+    kw = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+    out, lse = cf.flash_attention(q, q, q, return_lse=True, **kw)
     ran = []
-    monkeypatch.setattr(_launch, "_launch", lambda *a, **kw: ran.append(a))
+    monkeypatch.setattr(_launch, "_launch", lambda *a, **k: ran.append(a))
     pool = cupy.get_default_memory_pool()
     used = pool.used_bytes()
     with pytest.raises(NotImplementedError, match="dropout"):
-        cf.flash_attention(q, q, q, dropout_p=0.1, seed=0)
+        cf.flash_attention(q, q, q, dropout_p=0.1, seed=0, **kw)
     with pytest.raises(NotImplementedError, match="dropout"):
-        cf.flash_attention_backward(out, q, q, q, out, lse, dropout_p=0.1, seed=0)
+        cf.flash_attention_backward(out, q, q, q, out, lse, dropout_p=0.1, seed=0, **kw)
     assert not ran and pool.used_bytes() == used
 
 
@@ -252,8 +256,9 @@ class Case:
         parts += ["alibi"] * self.alibi + [f"mask{self.block}"] * bool(self.block)
         return "-".join(str(x).replace(" ", "") for x in parts)
 
-    def run(self):
-        """Inputs, keywords of the call, its forward and backward, and the reference's."""
+    def run(self, xp=np, deterministic=False):
+        """Inputs, keywords of the call, its forward and backward on ``xp`` arrays (returned
+        as NumPy arrays), and the reference's."""
         b, sq, sk, h, hk, d = self.batch, self.sq, self.sk, self.nheads, self.nheads_k, self.d
         s = self.seed
         q, dout = (random_array(np, (b, sq, h, d), self.dtype, s + i) for i in (0, 3))
@@ -265,10 +270,15 @@ class Case:
         if self.block:
             mask = cf.masks.random(sq, sk, 0.6, s, self.block, nheads=h)
         seed, offset = 1000 + s, 3 * s
+        on = {n: xp.asarray(a) for n, a in dict(variant, q=q, k=k, v=v, dout=dout).items()
+              if isinstance(a, np.ndarray)}
         call = dict(causal=self.causal, block_mask=mask, dropout_p=self.p, seed=seed,
-                    offset=offset, **variant)
-        out, lse = cf.flash_attention(q, k, v, return_lse=True, **call)
-        grads = cf.flash_attention_backward(dout, q, k, v, out, lse, **call)
+                    offset=offset, **dict(variant, **{n: on[n] for n in variant if n in on}))
+        out, lse = cf.flash_attention(on["q"], on["k"], on["v"], return_lse=True, **call)
+        grads = cf.flash_attention_backward(on["dout"], on["q"], on["k"], on["v"], out, lse,
+                                            deterministic=deterministic, **call)
+        if xp is not np:
+            out, lse, grads = xp.asnumpy(out), xp.asnumpy(lse), tuple(map(xp.asnumpy, grads))
         ref = dict(variant, dropout=dropout_scale(np, b, h, sq, sk, self.p, seed, offset))
         elem = None if mask is None else mask.to_dense()
         scale = d ** -0.5
@@ -310,13 +320,40 @@ CASES += [Case(1, 97, 150, 4, 2, 40, p=0.3, causal=True, dtype="float32", seed=7
 def test_dropout_on_the_numpy_path_matches_the_reference(case):
     # Underflow is ordinary; NaN, inf and division by zero are not.
     with np.errstate(divide="raise", over="raise", invalid="raise"):
-        got, refs, naive = case.run()
+        check(*case.run())
+
+
+# On the GPU: the table's cases without score modifiers in every dtype, and shapes whose
+# tiles and 16-row Philox groups are cut in many places.
+GPU_CASES = [replace(c, dtype=dtype) for c in CASES
+             if c.dtype == "float64" and not c.alibi and "softcap" not in dict(c.variant)
+             for dtype in ("float16", "bfloat16", "float32", "float64")]
+GPU_CASES += [Case(*shape, p=p, causal=causal, dtype=dtype, seed=90 + causal, variant=variant)
+              for shape in ((2, 1000, 777, 4, 2, 64), (1, 777, 1000, 2, 1, 128))
+              for p, variant in ((0.1, ()), (0.5, (("window_size", (100, 30)),)))
+              for causal in (False, True) for dtype in ("float16", "bfloat16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in GPU_CASES])
+def test_dropout_on_the_gpu_matches_the_reference(case, deterministic):
+    import cupy
+    from gpu_checks import FP64_RTOL
+    if deterministic and case.dtype not in ("float16", "bfloat16"):
+        pytest.skip("the plain kernels have one backward")
+    check(*case.run(cupy, deterministic), f64_rel=FP64_RTOL)
+
+
+def check(got, refs, naive, f64_rel=F64_REL):
+    """Forward and backward results against the float64 reference (and the naive one in
+    ``dtype`` for the tolerance rule)."""
     for name, g in zip(NAMES, got):
         assert not np.isnan(g.astype(np.float64)).any(), f"{name} has NaN"
     np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(refs[1]))
     if naive is None:
         for name, g, r in zip(NAMES, got, refs):
-            assert rel_err(g, r) < F64_REL, f"{name}: relative error {rel_err(g, r):.2e}"
+            assert rel_err(g, r) < f64_rel, f"{name}: relative error {rel_err(g, r):.2e}"
         return
     for name, g, r, n in zip(NAMES[:2], got, refs, naive):
         assert_rule(name, g, r, n, FWD_FACTOR)
