@@ -58,13 +58,15 @@ class Case(gpu_checks.Case):
     window: tuple = (-1, -1)
     softcap: float = 0.0
     alibi: bool = False      # ALiBi slopes of shape (batch, nheads)
+    dropout: float = 0.0     # dropout_p (seed 7, offset 1)
 
     @property
     def id(self):
         return (super().id + (f"-bs{self.block[0]}x{self.block[1]}" if self.block else "")
                 + (f"-w{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "")
                 + (f"-cap{self.softcap:g}" if self.softcap else "")
-                + ("-alibi" if self.alibi else ""))
+                + ("-alibi" if self.alibi else "")
+                + (f"-drop{self.dropout:g}" if self.dropout else ""))
 
     def keywords(self, xp):
         """The variant keywords of flash_attention, the slopes as ``xp`` arrays."""
@@ -73,7 +75,18 @@ class Case(gpu_checks.Case):
         if self.alibi:
             slopes = xp.asarray(0.5 ** (1 + np.arange(self.batch * self.nheads, dtype=np.float32)
                                         .reshape(self.batch, self.nheads) / 2))
-        return dict(window_size=self.window, softcap=self.softcap, alibi_slopes=slopes)
+        drop = dict(dropout_p=self.dropout, seed=7, offset=1) if self.dropout else {}
+        return dict(window_size=self.window, softcap=self.softcap, alibi_slopes=slopes, **drop)
+
+    def reference_keywords(self):
+        """The keywords of tests/reference.py's functions (the keep-mask, scaled, for dropout)."""
+        import numpy as np
+        from tests.reference import dropout_scale
+        kw = self.keywords(np)
+        p, seed, offset = kw.pop("dropout_p", 0.0), kw.pop("seed", None), kw.pop("offset", 0)
+        kw["dropout"] = dropout_scale(np, self.batch, self.nheads, self.sq, self.sk, p, seed,
+                                      offset)
+        return kw
 
     @property
     def modes(self):
@@ -115,6 +128,11 @@ CASES = (
     Case("bf16", 200, 130, 64, False, block=(64, 64), softcap=3.0, alibi=True),
     Case("fp32", 130, 97, 72, True, window=(30, 10), softcap=4.0, alibi=True),
     Case("fp64", 97, 130, 40, False, softcap=2.0, alibi=True),
+    # Dropout (dense, causal with GQA, window, block mask, plain kernels).
+    Case("bf16", 300, 257, 128, True, nheads=4, nheads_k=2, dropout=0.2),
+    Case("fp16", 257, 300, 64, False, window=(40, 30), dropout=0.5),
+    Case("fp16", 200, 130, 96, False, block=(64, 64), dropout=0.1),
+    Case("fp32", 130, 97, 72, True, dropout=0.3),
     # Plain float32 / float64 kernels.
     Case("fp32", 17, 130, 72, True, nheads=4, nheads_k=2),
     Case("fp64", 130, 97, 40, False, batch=2),
@@ -213,7 +231,7 @@ def _check(case, host, result, block_mask):
     out, lse, grads = result
     scale = case.d ** -0.5
     mask = None if block_mask is None else block_mask.to_dense()
-    variant = case.keywords(np)
+    variant = case.reference_keywords()
     ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask, **variant)
     refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask, **variant)
     magnitude = max(float(np.abs(r).max()) for r in refs)
@@ -267,8 +285,9 @@ def driver(ids):
         t0 = time.perf_counter()
         block_mask = _block_mask(case) if case.block else None
         host = _host_inputs(case)
-        spec = _spec.CallSpec.of(host[0], causal=case.causal, block_mask=block_mask,
-                                 **case.keywords(cp))
+        kw = case.keywords(cp)
+        kw.pop("seed", None), kw.pop("offset", None)
+        spec = _spec.CallSpec.of(host[0], causal=case.causal, block_mask=block_mask, **kw)
         try:
             _launch.check_supported(spec, block_mask)
         except (TypeError, ValueError) as e:   # this GPU cannot run it (no tensor cores, ...)
