@@ -136,6 +136,17 @@ def timed(runner, passes, reps, label, rows):
         print(bench.progress_line(row), label, flush=True)
 
 
+def timed_flex(case, sets, rule, passes, reps, rows):
+    try:
+        runner = FlexWith(case, sets, rule)
+    except Exception as e:
+        rows += [dict(bench.failed_row(case, "flex", p, e), rule=rule) for p in passes]
+        return
+    timed(runner, passes, reps, rule, rows)
+    del runner
+    bench.release_memory()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -155,16 +166,8 @@ def main():
         for rule in ("plain", "softcap", "alibi", "softcap_alibi", "dropout") if ours else ():
             timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads)), passes,
                   args.reps, rule, rows)
-        if use_flex:
-            for rule in ("plain", "softcap", "alibi", "relative_bias"):
-                try:
-                    runner = FlexWith(case, sets, rule)
-                except Exception as e:
-                    rows += [dict(bench.failed_row(case, "flex", p, e), rule=rule) for p in passes]
-                    continue
-                timed(runner, passes, args.reps, rule, rows)
-                del runner
-                bench.release_memory()
+        for rule in ("plain", "softcap", "alibi", "relative_bias") if use_flex else ():
+            timed_flex(case, sets, rule, passes, args.reps, rows)
         if ours:
             rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
                 "no built-in relative bias: needs user score_mods")), rule="relative_bias")
@@ -179,14 +182,7 @@ def main():
         rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
             "an element mask BlockMask cannot express: needs user mask_mods")), rule=rule)
             for p in passes]
-        try:
-            runner = FlexWith(case, sets, rule)
-        except Exception as e:
-            rows += [dict(bench.failed_row(case, "flex", p, e), rule=rule) for p in passes]
-            continue
-        timed(runner, passes, args.reps, rule, rows)
-        del runner
-        bench.release_memory()
+        timed_flex(case, sets, rule, passes, args.reps, rows)
     del sets
     bench.release_memory()
 

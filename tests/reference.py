@@ -322,3 +322,24 @@ def assert_rule(name, got, ref, naive, factor, magnitude=None):
     bound = factor * naive_err + slack
     assert err <= bound, (f"{name}: max error {err:.3e} vs reference exceeds {factor} x naive "
                           f"error {naive_err:.3e} + slack {slack:.1e} (= {bound:.3e})")
+
+
+def assert_gradients_match_finite_differences(q, k, v, dout, eps=1e-6, **kw):
+    """flash_attention_backward's float64 gradients (NumPy path) against central differences of
+    the loss sum(flash_attention(q, k, v, **kw) * dout), element by element: small shapes."""
+    import cupyflash as cf
+    out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, **kw)
+
+    def loss(*inputs):
+        return float((cf.flash_attention(*inputs, **kw) * dout).sum())
+
+    for idx, (name, g) in enumerate(zip(("dq", "dk", "dv"), grads)):
+        fd = np.zeros_like(g)
+        for pos in np.ndindex(g.shape):
+            plus, minus = [q, k, v], [q, k, v]
+            plus[idx], minus[idx] = plus[idx].copy(), minus[idx].copy()
+            plus[idx][pos] += eps
+            minus[idx][pos] -= eps
+            fd[pos] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-8, err_msg=name)

@@ -22,8 +22,9 @@ import pytest
 
 import cupyflash as cf
 from cupyflash import _numpy_backend
-from reference import (assert_rule, attention_naive, attention_naive_backward, attention_ref,
-                       attention_ref_backward, get_xp, np_dtype, random_array)
+from reference import (assert_gradients_match_finite_differences, assert_rule, attention_naive,
+                       attention_naive_backward, attention_ref, attention_ref_backward, get_xp,
+                       np_dtype, random_array)
 
 F64_REL = 1e-12
 FWD_FACTOR, BWD_FACTOR = 2, 3
@@ -388,22 +389,7 @@ def test_gradients_match_finite_differences(sq, sk, kw):
     q, k, v = (random_array(np, shape, np.float64, seed) * 2 for shape, seed in
                (((1, sq, 2, 3), 30), ((1, sk, 1, 3), 31), ((1, sk, 1, 3), 32)))
     dout = random_array(np, q.shape, np.float64, seed=33)
-    out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
-    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, **kw)
-
-    def loss(*inputs):
-        return float((cf.flash_attention(*inputs, **kw) * dout).sum())
-
-    eps = 1e-6
-    for idx, (name, g) in enumerate(zip(("dq", "dk", "dv"), grads)):
-        fd = np.zeros_like(g)
-        for pos in np.ndindex(g.shape):
-            plus, minus = [q, k, v], [q, k, v]
-            plus[idx], minus[idx] = plus[idx].copy(), minus[idx].copy()
-            plus[idx][pos] += eps
-            minus[idx][pos] -= eps
-            fd[pos] = (loss(*plus) - loss(*minus)) / (2 * eps)
-        np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-8, err_msg=name)
+    assert_gradients_match_finite_differences(q, k, v, dout, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
