@@ -304,7 +304,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     // the dP^T products (+5% at d=128 non-causal; causal, with NVRTC 13.5, +3 to +4% at d=64
     // and +0 to +1% at d=128). Band kernels stay fused where split ones spill at the register
     // limit: single-buffered (sm_80's d=128 tile, the deterministic d=64 one) and the d=64
-    // two-stage tile (see benchmarks/NOTES.md, Part 1 gate).
+    // two-stage tile (see benchmarks/NOTES.md, Part 1 gate). Softcap kernels too: split, the
+    // d=128 two-stage causal one spilled 8-36 bytes (NVRTC 13.5).
     constexpr bool Fused = (V::Band && (Stages == 1 || HeadDim <= 64)) || V::Softcap;
     while (cur.hq < p.group) {
         const int m0 = cur.qb.block(cur.it) * Br;
@@ -378,8 +379,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                 st[km][nt][e] = keep ? pv * drop.scale : 0.f;
             });
 
-        // dS^T = P^T (dP^T - D) (times the softcap's factor, above); P^T and dS^T go through shared memory (keeping P^T in
-        // registers spills at head dim 128).
+        // dS^T = P^T (dP^T - D) (times the softcap's factor, above); P^T and dS^T go through
+        // shared memory (keeping P^T in registers spills at head dim 128).
 #pragma unroll
         for (int km = 0; km < KM; ++km)
 #pragma unroll
