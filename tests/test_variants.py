@@ -393,48 +393,56 @@ def test_gradients_match_finite_differences(sq, sk, kw):
 
 
 # ---------------------------------------------------------------------------------------------
-# The adapters take the keywords (CPU tensors run the NumPy path)
+# The adapters take the keywords (CPU tensors run the NumPy path): the variants with ALiBi
+# slopes (converted to the framework's arrays), and dropout.
 
-ADAPTER_KW = dict(causal=True, window_size=(6, 0), softcap=2.5)
+SLOPES = np.float32([[0.5, 0.25, 0.125, 0.0625]])
+ADAPTER_CASES = {
+    "variants": (dict(causal=True, window_size=(6, 0), softcap=2.5), SLOPES),
+    "dropout": (dict(causal=True, dropout_p=0.25, seed=77, offset=1), None),
+}
+adapter_cases = pytest.mark.parametrize("kw,slopes", list(ADAPTER_CASES.values()),
+                                        ids=list(ADAPTER_CASES))
 
 
-def _adapter_inputs():
+def _adapter_inputs(kw, slopes):
     """float32 NumPy inputs (JAX's default precision) and the NumPy path's results for them,
     which the adapters must give bit for bit."""
     q, k, v = (random_array(np, shape, np.float32, seed) for shape, seed in
                (((1, 30, 4, 8), 40), ((1, 40, 2, 8), 41), ((1, 40, 2, 8), 42)))
     dout = random_array(np, q.shape, np.float32, 43)
-    slopes = np.float32([[0.5, 0.25, 0.125, 0.0625]])
-    out, lse = cf.flash_attention(q, k, v, return_lse=True, alibi_slopes=slopes, **ADAPTER_KW)
-    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, alibi_slopes=slopes,
-                                        **ADAPTER_KW)
-    return (q, k, v, dout, slopes), (out, *grads)
+    out, lse = cf.flash_attention(q, k, v, return_lse=True, alibi_slopes=slopes, **kw)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, alibi_slopes=slopes, **kw)
+    return (q, k, v, dout), (out, *grads)
 
 
-def test_torch_adapter_forwards_the_variant_keywords():
+@adapter_cases
+def test_torch_adapter_forwards_the_variant_keywords(kw, slopes):
     torch = pytest.importorskip("torch")
     import cupyflash.torch as cft
-    host, expected = _adapter_inputs()
+    host, expected = _adapter_inputs(kw, slopes)
     q, k, v = (torch.from_numpy(x).requires_grad_() for x in host[:3])
-    dout, slopes = torch.from_numpy(host[3]), torch.from_numpy(host[4])
-    out = cft.flash_attention(q, k, v, alibi_slopes=slopes, **ADAPTER_KW)
-    out.backward(dout)
+    slopes = None if slopes is None else torch.from_numpy(slopes)
+    out = cft.flash_attention(q, k, v, alibi_slopes=slopes, **kw)
+    out.backward(torch.from_numpy(host[3]))
     for got, want in zip((out.detach(), q.grad, k.grad, v.grad), expected):
         np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_jax_adapter_forwards_the_variant_keywords():
+@adapter_cases
+def test_jax_adapter_forwards_the_variant_keywords(kw, slopes):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import cupyflash.jax as cfj
-    host, expected = _adapter_inputs()
+    host, expected = _adapter_inputs(kw, slopes)
     cpu = jax.devices("cpu")[0]
-    q, k, v, dout, slopes = (jax.device_put(jnp.asarray(x), cpu) for x in host)
+    q, k, v, dout = (jax.device_put(jnp.asarray(x), cpu) for x in host)
+    slopes = None if slopes is None else jax.device_put(jnp.asarray(slopes), cpu)
 
     def loss(q, k, v):
-        return jnp.sum(cfj.flash_attention(q, k, v, alibi_slopes=slopes, **ADAPTER_KW) * dout)
+        return jnp.sum(cfj.flash_attention(q, k, v, alibi_slopes=slopes, **kw) * dout)
 
-    out = cfj.flash_attention(q, k, v, alibi_slopes=slopes, **ADAPTER_KW)
+    out = cfj.flash_attention(q, k, v, alibi_slopes=slopes, **kw)
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     for got, want in zip((out, *grads), expected):
         np.testing.assert_array_equal(np.asarray(got), want)
