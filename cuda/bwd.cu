@@ -241,10 +241,10 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams> seq(p, at.batch);
-    const Mask<V, BwdParams> mask(p);
+    Mask<V, BwdParams> mask(p);
     ScoreMod<V, BwdParams> mod(p);
     Dropout drop(p, at.batch, 0);
-    static_assert(!(V::Dropout && V::Softcap), "softcap's P^T store would skip the dropout");
+    static_assert(!(V::Dropout && (V::Softcap || V::UserScore)), "the early P^T, or dS^T, would skip the dropout");
     const int hk = at.head, n_tile = at.tile;
     const int col0 = n_tile * Bc;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -305,8 +305,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     // and +0 to +1% at d=128). Band kernels stay fused where split ones spill at the register
     // limit: single-buffered (sm_80's d=128 tile, the deterministic d=64 one) and the d=64
     // two-stage tile (see benchmarks/NOTES.md, Part 1 gate). Softcap kernels too: split, the
-    // d=128 two-stage causal one spilled 8-36 bytes (NVRTC 13.5).
-    constexpr bool Fused = (V::Band && (Stages == 1 || HeadDim <= 64)) || V::Softcap;
+    // d=128 two-stage causal one spilled 8-36 bytes (NVRTC 13.5). A user score_mod's gradient
+    // needs dP^T beside the raw S^T.
+    constexpr bool Fused = (V::Band && (Stages == 1 || HeadDim <= 64)) || V::Softcap || V::UserScore;
     while (cur.hq < p.group) {
         const int m0 = cur.qb.block(cur.it) * Br;
         const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
@@ -322,6 +323,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const float* sLse2 = stats_of(buf);
         const float* sD = sLse2 + Br;
         mod.at_head(seq.b, hk * p.group + cur.hq);
+        mask.at_head(seq.b, hk * p.group + cur.hq);
         drop.at_head(p, seq.b, hk * p.group + cur.hq);
         // With dropout, D is subtracted after dP^T is dropped: dS^T = P^T (keep dP^T / (1 - p) - D).
         const float* sDsub = V::Dropout ? nullptr : sD;
@@ -346,29 +348,49 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         // per key and stays inline, where it leaves the exponentials free to overlap the
         // products (behind a branch, before or after the dP^T products, the non-causal pass
         // lost 3-4%).
-        if (V::Band && masked) mask_scores<true>(st, mask, col0 + key0, m0 + qw * QW, lane);
+        // A user score_mod masks below, after its own step.
+        if ((V::Band || V::UserMask) && !V::UserScore && masked) mask_scores<true>(st, mask, col0 + key0, m0 + qw * QW, lane);
         // P^T. With a softcap, whose gradient factor is read off t, P^T goes to shared memory
         // here and S^T keeps P^T times that factor, for dS^T: no second array of registers.
         using C = ScoreCoords<true>;
         const C at(col0 + key0, m0 + qw * QW, lane);
         const float dist0 = mod.dist0(at);
+        if constexpr (V::UserScore) {
+            // The user's score_mod, the mask, P^T and the whole of dS^T element by element:
+            // its gradient takes the raw S^T and d loss / d its result, P^T (dP^T - D) (Fused).
 #pragma unroll
-        for (int km = 0; km < KM; ++km)
+            for (int km = 0; km < KM; ++km)
 #pragma unroll
-            for (int nt = 0; nt < QW / 8; ++nt) {
-                float pv[4];
+                for (int nt = 0; nt < QW / 8; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = col0 + key0 + km * 16 + g + (e >= 2 ? 8 : 0);
-                    const float x = mod.bias_at(dist0, C::ddiff(km, nt, e), st[km][nt][e]);
-                    pv[e] = fast_exp2(fmaf(x, mod.mult(), -sLse2[qw * QW + nt * 8 + 2 * t + (e & 1)]));
-                    if (!V::Band && masked && key >= seq.seqlen_k()) pv[e] = 0.f;
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = at.key0 + C::dkey(km, nt, e), query = at.query0() + C::dquery(km, nt, e);
+                        const float raw = st[km][nt][e];
+                        float pv = fast_exp2(fmaf(mod.user_score(raw, query, key), LOG2E,
+                                                  -sLse2[qw * QW + nt * 8 + 2 * t + (e & 1)]));
+                        if (masked && mask.hidden(query, key)) pv = 0.f;
+                        dpt[km][nt][e] = mod.user_grad(raw, pv * dpt[km][nt][e], query, key, true);
+                        st[km][nt][e] = pv;
+                    }
+        } else {
+#pragma unroll
+            for (int km = 0; km < KM; ++km)
+#pragma unroll
+                for (int nt = 0; nt < QW / 8; ++nt) {
+                    float pv[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = col0 + key0 + km * 16 + g + (e >= 2 ? 8 : 0);
+                        const float x = mod.bias_at(dist0, C::ddiff(km, nt, e), st[km][nt][e]);
+                        pv[e] = fast_exp2(fmaf(x, mod.mult(), -sLse2[qw * QW + nt * 8 + 2 * t + (e & 1)]));
+                        if (!V::Band && masked && key >= seq.seqlen_k()) pv[e] = 0.f;
+                    }
+                    if constexpr (V::Softcap)
+                        store_acc_pairs<Elem>(sPt, LDP, key0 + km * 16 + g, qw * QW + nt * 8 + 2 * t, pv);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) st[km][nt][e] = pv[e] * mod.grad(st[km][nt][e]);
                 }
-                if constexpr (V::Softcap)
-                    store_acc_pairs<Elem>(sPt, LDP, key0 + km * 16 + g, qw * QW + nt * 8 + 2 * t, pv);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[km][nt][e] = pv[e] * mod.grad(st[km][nt][e]);
-            }
+        }
         if constexpr (!Fused)
             rows_times_rows<Elem, HeadDim, KM, QW, LD, false>(dpt, sVa, sdOa, sDsub, dpt, 0, 0, nullptr, key0, qw * QW, lane);
         // Dropout: dS^T complete here, and P^T becomes the dropped, scaled weights of dV.
@@ -385,7 +407,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         for (int km = 0; km < KM; ++km)
 #pragma unroll
         for (int nt = 0; nt < QW / 8; ++nt) {
-            if constexpr (!V::Dropout)
+            if constexpr (!V::Dropout && !V::UserScore)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     dpt[km][nt][e] *= st[km][nt][e];
@@ -483,8 +505,9 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams> seq(p, at.batch);
-    const Mask<V, BwdParams> mask(p);
+    Mask<V, BwdParams> mask(p);
     const int h = at.head, hk = h / p.group;
+    mask.at_head(at.batch, h);
     ScoreMod<V, BwdParams> mod(p);
     mod.at_head(at.batch, h);
     const Dropout drop(p, at.batch, h);
@@ -565,11 +588,15 @@ flash_bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int hf = e >= 2;
-                const int row = row0 + warp * 16 + g + 8 * hf;
-                const float held = mod.held(s[nt][e]);
+                const int row = row0 + warp * 16 + g + 8 * hf, col = n0 + nt * 8 + 2 * t + (e & 1);
+                const float raw = s[nt][e];
+                const float held = V::UserScore ? mod.user_score(raw, row, col) : mod.held(raw);
                 float pv = fast_exp2(fmaf(mod.bias_at(dist0, C::ddiff(0, nt, e), held), mod.mult(), -lse2[hf]));
-                if (masked && mask.hidden(row, n0 + nt * 8 + 2 * t + (e & 1))) pv = 0.f;
-                s[nt][e] = V::Dropout ? pv * mod.grad(held) : pv * (dp[nt][e] - dsum[hf]) * mod.grad(held);   // dS
+                if (masked && mask.hidden(row, col)) pv = 0.f;
+                if constexpr (V::UserScore)   // dS through the user's gradient (the dK/dV pass adds the arrays')
+                    s[nt][e] = mod.user_grad(raw, pv * (dp[nt][e] - dsum[hf]), row, col, false);
+                else
+                    s[nt][e] = V::Dropout ? pv * mod.grad(held) : pv * (dp[nt][e] - dsum[hf]) * mod.grad(held);   // dS
             }
         if constexpr (V::Dropout)   // dS = P (keep dP / (1 - p) - D)
             drop.for_each<false, 1, NT>(row0 + warp * 16, n0, lane, [&](int, int n, int e, unsigned keep) {

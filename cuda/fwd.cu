@@ -21,12 +21,12 @@
 // registers, two blocks per SM, 11-12% slower on the H100. 0 asks nothing and leaves ptxas its
 // own choice; 1 would let it take up to 255 registers (the d=64 causal kernel then took 225,
 // two blocks per SM instead of three, 11-15% slower at seqlen 1K-16K in fp16).
-// The score modifiers and dropout do not fit in 168 (NVRTC 13.5 spilled 8-36 bytes): they leave
+// The score modifiers, user mods and dropout do not fit in 168 (NVRTC 13.5 spilled 8-36 bytes): they leave
 // ptxas its choice.
 template <int HeadDim, int Stages, typename V>
 __host__ __device__ constexpr int fwd_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return HeadDim <= 64 && Stages == 2 && !V::Softcap && !V::Alibi && !V::Dropout ? 3 : 0;
+    return HeadDim <= 64 && Stages == 2 && !V::Softcap && !V::Alibi && !V::Dropout && !V::UserScore && !V::UserMask ? 3 : 0;
 #else
     return 0;
 #endif
@@ -54,8 +54,9 @@ flash_fwd_kernel(const FwdParams p) {
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<FwdParams> seq(p, at.batch);
-    const Mask<V, FwdParams> mask(p);
+    Mask<V, FwdParams> mask(p);
     const int h = at.head, hk = h / p.group;
+    mask.at_head(at.batch, h);
     ScoreMod<V, FwdParams> mod(p);
     mod.at_head(at.batch, h);
     const Dropout drop(p, at.batch, h);

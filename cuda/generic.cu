@@ -234,8 +234,9 @@ generic_fwd_kernel(const FwdParams p) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const SeqInfo seq(p, blockIdx.z);
-    const Mask<V, decltype(p)> mask(p);
+    Mask<V, decltype(p)> mask(p);
     const int h = blockIdx.y, hk = h / p.group;
+    mask.at_head(seq.b, h);
     PlainScoreMod<V, T> mod(p);
     mod.at_head(p, seq.b, h);
     const Dropout drop(p, seq.b, h);
@@ -244,7 +245,6 @@ generic_fwd_kernel(const FwdParams p) {
     const bool active = row < seq.seqlen_q();
     const int kbegin = mask.key_begin(row);
     const int kend = active ? mask.key_end(row) : 0;
-    const int row_shift = row + seq.seqlen_k() - seq.seqlen_q();   // ALiBi distance + key
     // The band moves right with the row: the block's first and last rows bound the chunks it
     // stages.
     const int first_row = blockIdx.x * kWarps;
@@ -271,9 +271,9 @@ generic_fwd_kernel(const FwdParams p) {
         load_chunk<T, HeadDim>(v_tile, v_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
         __syncthreads();
         if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
-            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin);
-            T grad;
-            const T s = mod(dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row_shift - k0 - lane, grad);
+            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin) && !mask.user_hides(row, k0 + lane);
+            T aux;
+            const T s = mod(p, dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row, k0 + lane, aux);
             const T chunk_max = warp_max(visible ? s : -Prec<T>::inf());
             const T m_new = chunk_max > m ? chunk_max : m;
             // Scores of -inf (from infinite inputs) can leave the max at -inf: subtract 0 then,
@@ -313,8 +313,9 @@ generic_bwd_dq_kernel(const BwdParams p) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const SeqInfo seq(p, blockIdx.z);
-    const Mask<V, decltype(p)> mask(p);
+    Mask<V, decltype(p)> mask(p);
     const int h = blockIdx.y, hk = h / p.group;
+    mask.at_head(seq.b, h);
     PlainScoreMod<V, T> mod(p);
     mod.at_head(p, seq.b, h);
     const Dropout drop(p, seq.b, h);
@@ -323,7 +324,6 @@ generic_bwd_dq_kernel(const BwdParams p) {
     const bool active = row < seq.seqlen_q();
     const int kbegin = mask.key_begin(row);
     const int kend = active ? mask.key_end(row) : 0;
-    const int row_shift = row + seq.seqlen_k() - seq.seqlen_q();
     const int first_row = blockIdx.x * kWarps;
     const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
@@ -354,14 +354,14 @@ generic_bwd_dq_kernel(const BwdParams p) {
         load_chunk<T, HeadDim>(v_tile, v_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
         __syncthreads();
         if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
-            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin);
-            T grad;
-            const T s = mod(dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row_shift - k0 - lane, grad);
+            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin) && !mask.user_hides(row, k0 + lane);
+            T aux;
+            const T s = mod(p, dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row, k0 + lane, aux);
             const T dp = dot_with_rows<T, HeadDim>(dout, v_tile, lane);
             const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
             // dS = P (keep dP / (1 - p) - D) with dropout.
             const T dpd = !V::Dropout ? dp : drop.keep(row, k0 + lane) ? dp * drop_scale : T(0);
-            add_weighted_rows<T, HeadDim>(dq, pj * (dpd - dsum) * grad, k_tile, lane);
+            add_weighted_rows<T, HeadDim>(dq, mod.backprop(p, pj * (dpd - dsum), aux, row, k0 + lane, false), k_tile, lane);
         }
     }
 
@@ -381,7 +381,7 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const SeqInfo seq(p, blockIdx.z);
-    const Mask<V, decltype(p)> mask(p);
+    Mask<V, decltype(p)> mask(p);
     const int hk = blockIdx.y;
     const int key = blockIdx.x * kWarps + warp;
     const bool active = key < seq.seqlen_k();
@@ -395,7 +395,6 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     PlainScoreMod<V, T> mod(p);
     Dropout drop(p, seq.b, 0);
     const T drop_scale = static_cast<T>(p.drop.scale);
-    const int shift_key = seq.seqlen_k() - seq.seqlen_q() - key;   // ALiBi distance - query
     auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
     auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
 
@@ -409,6 +408,7 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
         const int h = hk * p.group + g;
         const index_t stat0 = seq.stat(h, 0);
         mod.at_head(p, seq.b, h);
+        mask.at_head(seq.b, h);
         drop.at_head(p, seq.b, h);
         auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
         auto dout_rows = [&](int r) { return seq.q_row<const T>(p.dout, h, r); };
@@ -424,20 +424,20 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
             __syncthreads();
             if (active && q0 + kChunk > qbegin && (!V::Local || q0 < qend)) {   // warp-uniform
                 const int qi = q0 + lane;
-                const bool visible = qi >= qbegin && qi < qend;
+                const bool visible = qi >= qbegin && qi < qend && !mask.user_hides(qi, key);
                 T lse = Prec<T>::inf(), dsum = T(0);
                 if (visible) {
                     lse = lse_for_exp(static_cast<const T*>(p.lse)[stat0 + qi]);
                     dsum = static_cast<const T*>(p.dsum)[stat0 + qi];
                 }
-                T grad;
-                const T s = mod(dot_with_rows<T, HeadDim>(k, q_tile, lane) * scale, qi + shift_key, grad);
+                T aux;
+                const T s = mod(p, dot_with_rows<T, HeadDim>(k, q_tile, lane) * scale, qi, key, aux);
                 const T dp = dot_with_rows<T, HeadDim>(v, dout_tile, lane);
                 const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
                 const bool kept = !V::Dropout || drop.keep(qi, key);
                 const T dpd = !V::Dropout ? dp : kept ? dp * drop_scale : T(0);
                 add_weighted_rows<T, HeadDim>(dv, !V::Dropout ? pj : kept ? pj * drop_scale : T(0), dout_tile, lane);
-                add_weighted_rows<T, HeadDim>(dk, pj * (dpd - dsum) * grad, q_tile, lane);
+                add_weighted_rows<T, HeadDim>(dk, mod.backprop(p, pj * (dpd - dsum), aux, qi, key, true), q_tile, lane);
             }
         }
     }

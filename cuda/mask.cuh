@@ -10,8 +10,10 @@
 template <typename V, typename Params>
 struct Mask {
     const Params& p;   // seqlen_q, seqlen_k, and the band of a local Variant
+    int b = 0, h = 0;  // the batch entry and query head a user mask_mod is asked about
 
     __device__ __forceinline__ explicit Mask(const Params& params) : p(params) {}
+    __device__ __forceinline__ void at_head(int batch, int head) { b = batch; h = head; }
 
     __device__ __forceinline__ int seqlen_q() const { return p.seqlen_q; }
     __device__ __forceinline__ int seqlen_k() const { return p.seqlen_k; }
@@ -52,9 +54,18 @@ struct Mask {
             return seqlen_q();
         }
     }
+    // The user's mask_mod hides key `col` from row `row`. Coordinates past the sequences are
+    // clamped into them (their elements are hidden by the bounds anyway), so that the
+    // snippet's array reads stay inside arrays sized by the sequences.
+    __device__ __forceinline__ bool user_hides(int row, int col) const {
+        if constexpr (V::UserMask)
+            return !V::Mods::mask(p.user, b, h, min(row, seqlen_q() - 1), min(col, seqlen_k() - 1));
+        else
+            return false;
+    }
     // Key `col` is hidden from row `row` (both inside their sequences or not).
     __device__ __forceinline__ bool hidden(int row, int col) const {
-        return col >= key_end(row) || (V::Local && col < key_begin(row));
+        return col >= key_end(row) || (V::Local && col < key_begin(row)) || user_hides(row, col);
     }
 };
 
@@ -74,15 +85,18 @@ struct ScoreCoords {
         key0 = Transposed ? r : c;
         diff0 = Transposed ? r - c : c - r;
     }
+    // The query of the lane's element 0 of tile (0, 0).
+    __device__ __forceinline__ int query0() const { return key0 - diff0; }
     // Offsets of element e of tile (m, n) from element 0 of tile (0, 0).
     static __host__ __device__ constexpr int dkey(int m, int n, int e) { return Transposed ? m * 16 + (e & 2) * 4 : n * 8 + (e & 1); }
+    static __host__ __device__ constexpr int dquery(int m, int n, int e) { return dkey(m, n, e) - ddiff(m, n, e); }
     static __host__ __device__ constexpr int ddiff(int m, int n, int e) {
         return Transposed ? m * 16 + (e & 2) * 4 - n * 8 - (e & 1) : n * 8 + (e & 1) - m * 16 - (e & 2) * 4;
     }
 };
 
-// Sets to -inf the scores of a fragment (ScoreCoords) that the mask hides. exp2 of -inf is
-// exactly 0, so the softmax and the gradients need nothing else.
+// Sets to -inf the scores of a fragment (ScoreCoords) that the mask hides (the user's
+// mask_mod too). exp2 of -inf is exactly 0, so the softmax and the gradients need nothing else.
 template <bool Transposed, typename V, typename Params, int M, int N>
 __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, Params>& mask, int row0, int col0,
                                             int lane) {
@@ -99,7 +113,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, P
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int ddiff = C::ddiff(m, n, e);
-                if ((V::Band && ddiff > diff_hi) || C::dkey(m, n, e) >= key_hi || (V::Local && ddiff < diff_lo))
+                if ((V::Band && ddiff > diff_hi) || C::dkey(m, n, e) >= key_hi || (V::Local && ddiff < diff_lo) ||
+                    mask.user_hides(at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e)))
                     s[m][n][e] = neg_inf();
             }
 }

@@ -37,6 +37,7 @@ struct ScoreParams {
     const float* alibi;      // ALiBi slopes, float32 (batch, nheads) with batch stride
     int alibi_stride;        // nheads, or 0 for one row of slopes shared by the batch
     float alibi_unit;        // -log2(e) / ScoreMod::mult: a slope to a bias in held units
+    float scale;             // the softmax scale in float: a user score_mod's score is q.k * scale
 };
 
 // Dropout of a Variant with Dropout (dropout.cuh, philox.cuh).
@@ -45,6 +46,16 @@ struct DropoutParams {
     unsigned offset;           // the counter's last word
     unsigned threshold;        // a word below it drops its element
     double scale;              // 1 / (1 - dropout_p): kept weights are scaled by it
+};
+
+// The read-only arrays of a call's user mods (score_mod, mask_mod; user.cuh), in the order the
+// mods declare them, C-contiguous: pointers and shapes (unused dimensions 1). `grads` are the
+// float32 gradient buffers of the arrays a score_mod differentiates (null for the others).
+constexpr int USER_ARRAYS = 8, USER_NDIM = 4;
+struct UserParams {
+    const void* arrays[USER_ARRAYS];
+    float* grads[USER_ARRAYS];
+    int shape[USER_ARRAYS][USER_NDIM];
 };
 
 struct FwdParams {
@@ -62,6 +73,7 @@ struct FwdParams {
     ScoreParams mod;     // softcap and ALiBi (score_mod.cuh)
     DropoutParams drop;
     BlockList kv_blocks; // per query tile, the key tiles to visit
+    UserParams user;
 };
 
 struct BwdParams {
@@ -87,6 +99,7 @@ struct BwdParams {
     DropoutParams drop;
     BlockList kv_blocks; // per query tile, the key tiles to visit (dQ pass)
     BlockList q_blocks;  // per key tile, the query tiles that visit it (dK/dV pass)
+    UserParams user;
 };
 
 // The list of one (head, tile) row of a BlockList.

@@ -25,16 +25,33 @@ template <typename V, typename Params>
 struct ScoreMod {
     const Params& p;
     float bias;   // ALiBi: the bias per unit of distance for this (batch, head), in held units
+    int b = 0, h = 0;   // the batch entry and query head a user score_mod is asked about
 
     __device__ __forceinline__ explicit ScoreMod(const Params& params) : p(params), bias(0.f) {}
 
-    // The held value -> log2 units factor.
-    __device__ __forceinline__ float mult() const { return V::Softcap ? p.mod.softcap_log2 : p.scale_log2; }
+    // The held value -> log2 units factor. A user score_mod's held values are its results, in
+    // natural units.
+    __device__ __forceinline__ float mult() const {
+        return V::UserScore ? LOG2E : V::Softcap ? p.mod.softcap_log2 : p.scale_log2;
+    }
 
     // Select the slopes of (batch b, head h).
-    __device__ __forceinline__ void at_head(int b, int h) {
+    __device__ __forceinline__ void at_head(int batch, int head) {
+        b = batch;
+        h = head;
         if constexpr (V::Alibi)
-            bias = p.mod.alibi[static_cast<index_t>(b) * p.mod.alibi_stride + h] * p.mod.alibi_unit;
+            bias = p.mod.alibi[static_cast<index_t>(batch) * p.mod.alibi_stride + head] * p.mod.alibi_unit;
+    }
+
+    // The user's score_mod of a raw q.k at (query, key), and d loss / d (q.k * scale) from
+    // d loss / d its result (adding to the arrays' gradients where `accumulate`). Coordinates
+    // are clamped into the sequences as in Mask::user_hides.
+    __device__ __forceinline__ float user_score(float raw, int query, int key) const {
+        return V::Mods::score(p.user, raw * p.mod.scale, b, h, min(query, p.seqlen_q - 1), min(key, p.seqlen_k - 1));
+    }
+    __device__ __forceinline__ float user_grad(float raw, float dscore, int query, int key, bool accumulate) const {
+        return V::Mods::grad(p.user, raw * p.mod.scale, dscore, b, h, min(query, p.seqlen_q - 1),
+                             min(key, p.seqlen_k - 1), accumulate);
     }
 
     // The held value of a raw score.
@@ -69,7 +86,17 @@ struct ScoreMod {
     // Held values plus bias for a fragment of raw scores (the forward: nothing needs t after).
     template <bool Transposed, int M, int N>
     __device__ __forceinline__ void apply(float (&s)[M][N][4], int row0, int col0, int lane) const {
-        if constexpr (V::Softcap || V::Alibi) {
+        using C = ScoreCoords<Transposed>;
+        if constexpr (V::UserScore) {
+            const C at(row0, col0, lane);
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+#pragma unroll
+                for (int n = 0; n < N; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[m][n][e] = user_score(s[m][n][e], at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e));
+        } else if constexpr (V::Softcap || V::Alibi) {
             using C = ScoreCoords<Transposed>;
             const C at(row0, col0, lane);
             const float d0 = dist0(at);
@@ -85,32 +112,53 @@ struct ScoreMod {
 };
 
 // The plain kernels' score step, at T's own precision, on x = q.k * scale in the kernel's base
-// (unit = log2(e) for float, 1 for double; generic.cu): the logit, and d logit / d x in `grad`.
+// (unit = log2(e) for float, 1 for double; generic.cu): the logit of (query, key), and in `aux`
+// what `backprop` needs: d logit / d x (softcap), or the user score_mod's argument.
 template <typename V, typename T>
 struct PlainScoreMod {
     T cap;     // softcap * unit
     T bias;    // -slope * unit of the selected head
+    int b, h, seqlen_q, seqlen_k;
 
     template <typename Params>
-    __device__ __forceinline__ PlainScoreMod(const Params& p) : cap(static_cast<T>(p.mod.softcap) * unit()), bias(0) {}
+    __device__ __forceinline__ PlainScoreMod(const Params& p)
+        : cap(static_cast<T>(p.mod.softcap) * unit()), bias(0), b(0), h(0), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {}
 
     static __device__ __forceinline__ T unit() { return sizeof(T) == 4 ? T(LOG2E) : T(1); }
 
     template <typename Params>
-    __device__ __forceinline__ void at_head(const Params& p, int b, int h) {
-        if constexpr (V::Alibi) bias = -static_cast<T>(p.mod.alibi[static_cast<index_t>(b) * p.mod.alibi_stride + h]) * unit();
+    __device__ __forceinline__ void at_head(const Params& p, int batch, int head) {
+        b = batch;
+        h = head;
+        if constexpr (V::Alibi) bias = -static_cast<T>(p.mod.alibi[static_cast<index_t>(batch) * p.mod.alibi_stride + head]) * unit();
     }
 
-    // dist = query + seqlen_k - seqlen_q - key.
-    __device__ __forceinline__ T operator()(T x, int dist, T& grad) const {
-        grad = T(1);
+    template <typename Params>
+    __device__ __forceinline__ T operator()(const Params& p, T x, int query, int key, T& aux) const {
+        aux = T(1);
+        if constexpr (V::UserScore) {
+            aux = x / unit();
+            return V::Mods::score(p.user, aux, b, h, min(query, seqlen_q - 1), min(key, seqlen_k - 1)) * unit();
+        }
         if constexpr (V::Softcap) {
             T t;
             if constexpr (sizeof(T) == 4) t = tanhf(x / cap); else t = tanh(x / cap);
             x = cap * t;
-            grad = T(1) - t * t;
+            aux = T(1) - t * t;
         }
-        if constexpr (V::Alibi) x += bias * T(dist < 0 ? -dist : dist);
+        if constexpr (V::Alibi) {
+            const int dist = query + seqlen_k - seqlen_q - key;
+            x += bias * T(dist < 0 ? -dist : dist);
+        }
         return x;
+    }
+
+    // d loss / d x from d loss / d logit, with the `aux` of the same element.
+    template <typename Params>
+    __device__ __forceinline__ T backprop(const Params& p, T dlogit, T aux, int query, int key, bool accumulate) const {
+        if constexpr (V::UserScore)
+            return V::Mods::grad(p.user, aux, dlogit, b, h, min(query, seqlen_q - 1), min(key, seqlen_k - 1), accumulate);
+        else
+            return dlogit * aux;
     }
 };

@@ -2,8 +2,9 @@
 // type for every kernel family. cupyflash/_spec.py (CallSpec.variant) spells it for NVRTC, so
 // a new feature adds a flag here and there and nowhere in between.
 #pragma once
+#include "user.cuh"
 
-template <bool Causal_, bool Local_, bool Softcap_, bool Alibi_, bool Dropout_>
+template <bool Causal_, bool Local_, bool Softcap_, bool Alibi_, bool Dropout_, typename Mods_ = NoMods>
 struct Variant {
     static constexpr bool Causal = Causal_;   // the band (-inf, 0]: causal, bottom-right aligned
     static constexpr bool Local = Local_;     // a band (left, right) read at run time (Mask)
@@ -11,4 +12,7 @@ struct Variant {
     static constexpr bool Softcap = Softcap_; // scores capped by tanh (ScoreMod)
     static constexpr bool Alibi = Alibi_;     // ALiBi bias from per-head slopes (ScoreMod)
     static constexpr bool Dropout = Dropout_; // dropout of the probabilities (dropout.cuh)
+    using Mods = Mods_;                       // the user's score_mod and mask_mod (user.cuh)
+    static constexpr bool UserScore = Mods::Score;
+    static constexpr bool UserMask = Mods::Mask;
 };

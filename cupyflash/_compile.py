@@ -42,10 +42,19 @@ def _expand(name, seen):
     return _INCLUDE.sub(sub, text)
 
 
-@functools.lru_cache(maxsize=None)
-def source(name):
-    """The full text of ``cuda/<name>`` with our headers inlined."""
-    return _expand(name, set())
+# The line of cuda/user.cuh after which a call's user mods (cupyflash/mods.py) are spliced.
+USER_MODS_MARK = "// @user-mods\n"
+
+
+@functools.lru_cache(maxsize=64)
+def source(name, user_mods=""):
+    """The full text of ``cuda/<name>`` with our headers inlined, and the ``struct UserMods``
+    text of a call's snippets (``mods.prelude``) spliced in after cuda/user.cuh."""
+    text = _expand(name, set())
+    if user_mods:
+        assert text.count(USER_MODS_MARK) == 1, f"{name} does not include user.cuh once"
+        text = text.replace(USER_MODS_MARK, USER_MODS_MARK + user_mods)
+    return text
 
 
 def template_name(kernel, *args):
@@ -127,14 +136,15 @@ def get_kernel(code, name):
     return module.get_function(name)
 
 
-def nvrtc_compile(filename, names, arch):
-    """Compile instantiations for ``arch`` (e.g. "sm_80") with NVRTC alone, no GPU needed.
+def nvrtc_compile(filename, names, arch, user_mods=""):
+    """Compile instantiations for ``arch`` (e.g. "sm_80") with NVRTC alone, no GPU needed,
+    with a call's user mods (``mods.prelude``) spliced in.
 
     Returns ``{name: (registers, spill_store_bytes, spill_load_bytes, stack_bytes)}``
     parsed from ptxas's verbose log. Raises RuntimeError with the log if compiling fails.
     """
     from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(source(filename), filename, [], [])
+    prog = nvrtc.createProgram(source(filename, user_mods), filename, [], [])
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)

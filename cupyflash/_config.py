@@ -51,7 +51,7 @@ def head_dim_bucket(d):
 
 
 class _Tile:
-    # Features (CallSpec.extras: "softcap", "alibi", "dropout") whose kernels spill at this
+    # Features (CallSpec.extras: "softcap", "alibi", "dropout", "user") whose kernels spill at this
     # tile, the register file full already: calls with one take the next tile.
     spills_with = frozenset()
 
@@ -110,13 +110,17 @@ class DqTile(_Tile):
         return (2 * self.br + 2 * self.bc) * (hd + SMEM_PAD) * 2
 
 
-_DROP = frozenset({"dropout"})
-_ALL = frozenset({"softcap", "alibi", "dropout"})
+# User mods ("user") run code of unknown register cost per element: they take the tiles of
+# dropout and of the other score steps.
+_DROP = frozenset({"dropout", "user"})
+_USER = frozenset({"user"})   # the d=64 causal forward with a T5-style score_mod spilled 8 bytes
+_ALL = frozenset({"softcap", "alibi", "dropout", "user"})
 
 # Largest first; the first tile whose shared memory fits the device is taken.
 _FWD = {
     32: [FwdTile(128, 64, 4), FwdTile(64, 64, 2)],
-    64: [FwdTile(128, 64, 4, stages=2), FwdTile(128, 64, 4), FwdTile(64, 64, 4)],
+    64: [FwdTile(128, 64, 4, stages=2, spills_with=_USER), FwdTile(128, 64, 4, spills_with=_USER),
+         FwdTile(64, 64, 4)],
     96: [FwdTile(128, 64, 4, spills_with=_DROP), FwdTile(64, 64, 4)],
     128: [FwdTile(128, 64, 4, spills_with=_DROP), FwdTile(64, 64, 4)],
     160: [FwdTile(64, 64, 4)],

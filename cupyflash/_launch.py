@@ -20,7 +20,12 @@ BLOCK_LIST = np.dtype([("idx", np.uint64), ("count", np.uint64), ("partial", np.
                        ("row_tile", np.int32), ("list_tile", np.int32)], align=True)
 SCORE_PARAMS = np.dtype([("softcap", np.float64), ("softcap_in", np.float32),
                          ("softcap_log2", np.float32), ("alibi", np.uint64),
-                         ("alibi_stride", np.int32), ("alibi_unit", np.float32)], align=True)
+                         ("alibi_stride", np.int32), ("alibi_unit", np.float32),
+                         ("scale", np.float32)], align=True)
+# cuda/params.cuh's UserParams: arrays per call and dimensions per array.
+USER_ARRAYS, USER_NDIM = 8, 4
+USER_PARAMS = np.dtype([("arrays", np.uint64, (USER_ARRAYS,)), ("grads", np.uint64, (USER_ARRAYS,)),
+                        ("shape", np.int32, (USER_ARRAYS, USER_NDIM))], align=True)
 DROPOUT_PARAMS = np.dtype([("seed", np.uint64), ("offset", np.uint32), ("threshold", np.uint32),
                            ("scale", np.float64)], align=True)
 _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("group", np.int32),
@@ -28,11 +33,13 @@ _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("gr
          ("vec_ok", np.int32), ("launch_group", np.int32), ("scale", np.float64), ("scale_log2", np.float32),
          ("window_left", np.int32), ("window_right", np.int32), ("mod", SCORE_PARAMS), ("drop", DROPOUT_PARAMS)]
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
-                      + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST)], align=True)
+                      + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST), ("user", USER_PARAMS)],
+                      align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
                       + [("lse", np.uint64), ("dsum", np.uint64), ("lse_log2", np.uint64), ("dq_accum", np.uint64),
                          ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32)]
-                      + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST)], align=True)
+                      + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST), ("user", USER_PARAMS)],
+                      align=True)
 
 # Causal passes: tiles per launch group, in multiples of the SM count (see _tile_grid). With 8,
 # a simulation of greedy block scheduling (tile lengths of causal attention, 132 SMs, seqlen
@@ -82,6 +89,7 @@ def _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout):
     # cuda/score_mod.cuh: the tensor-core kernels' held values are raw q.k, or tanh(q.k *
     # scale / softcap) with a softcap; `mult` takes them to log2 units.
     mod = p["mod"]
+    mod["scale"] = scale
     mult = scale * _config.LOG2E
     if spec.softcap:
         mod["softcap"] = spec.softcap
@@ -129,10 +137,47 @@ def _kernel(source, name, device_id, smem):
     return kernel
 
 
-def _launch(filename, name, grid, threads, smem, params):
+def _launch(filename, name, grid, threads, smem, params, user_mods=""):
+    """Launch template instantiation ``name`` of ``cuda/<filename>``, with the call's user
+    mods (``mods.prelude``) spliced into its source."""
     import cupy
-    kernel = _kernel(_compile.source(filename), name, cupy.cuda.Device().id, smem)
+    kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem)
     kernel(grid, (threads,), (params,), shared_mem=smem)
+
+
+def _fill_user(rec, arrays, grads=None):
+    """UserParams: the mods' arrays (CuPy, C-contiguous, slot order) and the gradient buffers
+    (float32, by slot) of those a score_mod differentiates."""
+    for slot, a in enumerate(arrays or ()):
+        rec["arrays"][slot] = a.data.ptr
+        rec["shape"][slot] = tuple(a.shape) + (1,) * (USER_NDIM - a.ndim)
+    for slot, g in (grads or {}).items():
+        rec["grads"][slot] = g.data.ptr
+
+
+CLASSIFY_THREADS = 256
+CLASSIFY_PARAMS = np.dtype([("user", USER_PARAMS), ("counts", np.uint64), ("seqlen_q", np.int32),
+                            ("seqlen_k", np.int32), ("block_q", np.int32), ("block_k", np.int32),
+                            ("heads", np.int32)], align=True)
+
+
+def classify_blocks(user_mods, arrays, seqlen_q, seqlen_k, block_q, block_k, heads, batch):
+    """Visible elements per block of a user mask_mod, summed over the batch: CuPy int32
+    (heads, nbq, nbk) (cuda/classify.cu)."""
+    import cupy
+    nbq, nbk = _config.cdiv(seqlen_q, block_q), _config.cdiv(seqlen_k, block_k)
+    if heads * batch > _config.MAX_GRID_YZ or nbq > _config.MAX_GRID_YZ:
+        raise ValueError(f"mask_mod: (batch x nheads, query blocks) = ({heads * batch}, {nbq}) "
+                         f"exceeds the grid limit {_config.MAX_GRID_YZ}")
+    counts = cupy.zeros((heads, nbq, nbk), cupy.int32)
+    p = np.zeros((), CLASSIFY_PARAMS)
+    _fill_user(p["user"], arrays)
+    p["counts"] = counts.data.ptr
+    p["seqlen_q"], p["seqlen_k"], p["block_q"], p["block_k"], p["heads"] = (
+        seqlen_q, seqlen_k, block_q, block_k, heads)
+    _launch("classify.cu", template_name("classify_blocks_kernel", "UserMods"),
+            (nbk, nbq, heads * batch), CLASSIFY_THREADS, 0, p[()], user_mods)
+    return counts
 
 
 def _generic_smem(d_bucket, itemsize):
@@ -193,10 +238,10 @@ def _check_lists(p, field, row_tile, list_tile):
 def check_supported(spec, block_mask):
     """Raise, before anything is allocated, where the current GPU cannot run this call:
     fp16/bf16 need tensor cores of sm_80+, and every kernel's tile must fit its shared
-    memory; dropout with softcap or ALiBi has no kernels yet."""
-    if spec.dropout and (spec.softcap or spec.alibi):
-        raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes has no GPU kernels "
-                                  "yet (NumPy arrays run it)")
+    memory; dropout with softcap, ALiBi or a score_mod has no kernels yet."""
+    if spec.dropout and (spec.softcap or spec.alibi or spec.score_mod):
+        raise NotImplementedError("dropout_p > 0 with softcap, alibi_slopes or a score_mod has "
+                                  "no GPU kernels yet (NumPy arrays run it)")
     import cupy
     dev = cupy.cuda.Device()
     hd = spec.headdim
@@ -219,10 +264,13 @@ def check_supported(spec, block_mask):
                              f"device {dev.id} has {limit}")
 
 
-def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, dropout=None):
+def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, dropout=None,
+            user_arrays=()):
     """Launch the forward pass of the call ``spec`` (a CallSpec). ``out`` and ``lse`` are
-    preallocated outputs; ``dropout`` the (seed, offset) of a spec with dropout."""
+    preallocated outputs; ``dropout`` the (seed, offset) of a spec with dropout;
+    ``user_arrays`` those of its user mods (``_fill_user``)."""
     p = np.zeros((), FWD_PARAMS)
+    _fill_user(p["user"], user_arrays)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         _tensor_ref(p[name], a)
     p["lse"] = lse.data.ptr
@@ -239,23 +287,24 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
         stages = t.stages_for(spec.masked_band)
         name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, stages, variant)
         _launch("fwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, spec.causal),
-                32 * t.warps, t.smem_bytes(hd, spec.masked_band), p[()])
+                32 * t.warps, t.smem_bytes(hd, spec.masked_band), p[()], spec.user_mods)
     else:
         if block_mask is not None:
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, spec.causal,
                         kv=True, q=False)
         name = template_name("generic_fwd_kernel", elem, hd, variant)
         _launch("generic.cu", name, (_config.cdiv(sq, _config.GENERIC_WARPS), h, b),
-                32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()])
+                32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()], spec.user_mods)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask=None,
-             alibi_slopes=None, dropout=None):
+             alibi_slopes=None, dropout=None, user_arrays=(), user_grads=None):
     """Launch the backward passes of the call ``spec``. ``dq``, ``dk``, ``dv`` and ``stats``
     (D and lse in log2 units, ``(2,) + lse.shape`` in lse's dtype, written by the first pass)
     are preallocated; ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or
     None (deterministic / plain path)."""
     p = np.zeros((), BWD_PARAMS)
+    _fill_user(p["user"], user_arrays, user_grads)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
         _tensor_ref(p[name], a)
@@ -289,7 +338,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
                              variant, dq_accum is not None)
         _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sk, t.bc), hk, b, causal), 32 * t.warps,
-                t.smem_bytes(hd), p[()])
+                t.smem_bytes(hd), p[()], spec.user_mods)
         if dq_accum is None:
             t = _config.tile("dq", hd, limit, *_tile_limits(block_mask), extras=spec.extras)
             if block_mask is not None:
@@ -297,7 +346,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
             _check_lists(p, "kv_blocks", t.br, t.bc)
             name = template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, variant)
             _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, causal), 32 * t.warps,
-                    t.smem_bytes(hd), p[()])
+                    t.smem_bytes(hd), p[()], spec.user_mods)
         else:
             _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), (_config.cdiv(sq, 16), h, b),
                     DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
@@ -307,9 +356,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         smem = _generic_smem(hd, q.itemsize)
         threads = 32 * _config.GENERIC_WARPS
         _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, variant),
-                rows, threads, smem, p[()])
+                rows, threads, smem, p[()], spec.user_mods)
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, variant),
-                (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()])
+                (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()], spec.user_mods)
 
 
 def dq_accum_shape(shape):

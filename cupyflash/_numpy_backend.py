@@ -121,53 +121,97 @@ def _head_groups(block_mask, nheads, nheads_k):
 
 class _Scores(NamedTuple):
     """The steps of a call that turn ``q k^T`` of a tile into its scores, in the kernels'
-    order: the score modifier (scale, softcap, ALiBi bias), then the band mask."""
+    order: the score modifier (scale, softcap, ALiBi bias, or a user score_mod), then the
+    masks (the band, and a user mask_mod in partial tiles)."""
     seqlen_q: int
     seqlen_k: int
     scale: float
     window: tuple           # the band (left, right) of _spec.band
     softcap: float          # 0: off
     slopes: object          # ALiBi slopes, float64 (batch or 1, nheads_k, group), or None
+    score_mod: object = None   # a mods.ScoreMod (its python rules), or None
+    mask_mod: object = None    # a mods.MaskMod (its python rule), or None
+    arrays: dict = {}          # NumPy arrays of the mods, by name
+    grads: dict = {}           # float64 gradient buffers d_<name> of the score_mod's arrays
+    b_idx: object = None       # int64 (batch, 1, 1, 1, 1): the batch entry of each element
+    h_idx: object = None       # int64 (1, nheads_k, group, 1, 1): its query head
+
+    def _user(self, fn, *args, rows, cols, names, extra=()):
+        kwargs = {n: self.arrays[n] for n in names}
+        kwargs.update(extra)
+        return fn(*args, self.b_idx, self.h_idx, rows[:, None], cols[None, :], **kwargs)
 
     def tile(self, q_t, k_t, r0, r1, c0, c1, partial):
-        """Scores of rows ``[r0, r1)`` x keys ``[c0, c1)`` in base-2 units, -inf outside the
-        band where ``partial``; and ``tanh`` of the softcap's argument (None without softcap),
-        from which the backward takes the cap's derivative ``1 - tanh**2``."""
+        """Scores of rows ``[r0, r1)`` x keys ``[c0, c1)`` in base-2 units, -inf where masked
+        in ``partial`` tiles; and what the backward needs to go back through the score step:
+        ``tanh`` of the softcap's argument (its derivative is ``1 - tanh**2``), or the score
+        ``q.k * scale`` a user score_mod took; None without either."""
         qk = q_t @ k_t.swapaxes(-1, -2)
-        if self.softcap:
+        rows, cols = np.arange(r0, r1), np.arange(c0, c1)
+        if self.score_mod is not None:
+            t = qk * self.scale
+            s = self._user(self.score_mod.python, t, rows=rows, cols=cols,
+                           names=self.score_mod.arrays) * LOG2E
+            s = np.broadcast_to(s, t.shape)
+        elif self.softcap:
             # As the kernels fold it: scale / softcap before tanh, softcap * log2(e) after.
             t = np.tanh(qk * (self.scale / self.softcap))
             s = t * (self.softcap * LOG2E)
         else:
             t = None
             s = qk * (self.scale * LOG2E)
-        rows, cols = np.arange(r0, r1), np.arange(c0, c1)
         if self.slopes is not None:
             # ALiBi: -slope * |i + seqlen_k - seqlen_q - j|, the distance from the diagonal
             # aligned bottom-right like the band.
             dist = np.abs(rows[:, None] + (self.seqlen_k - self.seqlen_q) - cols[None, :])
             s = s - (self.slopes * LOG2E)[..., None, None] * dist
-        # Sequence tails are sliced off here, so only the band needs masking.
+        # Sequence tails are sliced off here, so only the band and the user's rule mask.
         if partial:
-            s = np.where(_spec.visible(rows, cols, self.seqlen_q, self.seqlen_k, self.window),
-                         s, -np.inf)
+            shown = _spec.visible(rows, cols, self.seqlen_q, self.seqlen_k, self.window)
+            if self.mask_mod is not None:
+                shown = shown & self._user(self.mask_mod.python, rows=rows, cols=cols,
+                                           names=self.mask_mod.arrays)
+            s = np.where(shown, s, -np.inf)
         return s, t
+
+    def backprop(self, ds, t, r0, r1, c0, c1):
+        """d loss / d (q.k * scale) from d loss / d the tile's final scores ``ds`` (natural
+        units), through the softcap or the user's score_mod gradient (which may add to the
+        ``grads`` buffers); the ALiBi bias passes it on unchanged."""
+        if self.score_mod is not None:
+            rows, cols = np.arange(r0, r1), np.arange(c0, c1)
+            names = self.score_mod.arrays
+            extra = {f"d_{n}": self.grads[n] for n in self.score_mod.grad_arrays}
+            return np.broadcast_to(self._user(self.score_mod.python_grad, t, ds, rows=rows,
+                                              cols=cols, names=names, extra=extra), ds.shape)
+        if t is not None:
+            return ds * (1.0 - t * t)
+        return ds
 
     def heads(self, kv_heads, group):
         """The same steps for a slice of the heads (per-head block masks)."""
-        if self.slopes is None:
-            return self
-        return self._replace(slopes=self.slopes[:, kv_heads, group])
+        out = self
+        if self.slopes is not None:
+            out = out._replace(slopes=self.slopes[:, kv_heads, group])
+        if self.h_idx is not None:
+            out = out._replace(h_idx=self.h_idx[:, kv_heads, group])
+        return out
 
 
-def _scores(q, k, scale, spec, alibi_slopes):
+def _scores(q, k, scale, spec, alibi_slopes, score_mod=None, mask_mod=None, arrays=None,
+            grads=None):
     """The call's ``_Scores``; the slopes, (nheads,) or (batch, nheads), go to the grouped
-    layout (batch or 1, nheads_k, group)."""
+    layout (batch or 1, nheads_k, group); user mods get index arrays in that layout."""
     slopes = None
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes, np.float64)
         slopes = slopes.reshape(slopes.shape[0] if slopes.ndim == 2 else 1, k.shape[2], -1)
-    return _Scores(q.shape[1], k.shape[1], scale, spec.window, spec.softcap, slopes)
+    b, _, h, _ = q.shape
+    hk = k.shape[2]
+    b_idx = np.arange(b, dtype=np.int64).reshape(b, 1, 1, 1, 1)
+    h_idx = np.arange(h, dtype=np.int64).reshape(1, hk, h // hk, 1, 1)
+    return _Scores(q.shape[1], k.shape[1], scale, spec.window, spec.softcap, slopes,
+                   score_mod, mask_mod, arrays or {}, grads or {}, b_idx, h_idx)
 
 
 class _Dropout(NamedTuple):
@@ -205,7 +249,8 @@ _IEEE = dict(invalid="ignore", over="ignore", divide="ignore")
 
 
 @np.errstate(**_IEEE)
-def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None, seed=None, offset=0):
+def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None, seed=None, offset=0,
+            score_mod=None, user_arrays=None):
     """Returns ``(out, lse)``: out like q in q's dtype, lse (batch, nheads, seqlen_q) in
     natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key.
 
@@ -213,11 +258,13 @@ def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None, seed=None,
     ``alibi_slopes`` the validated NumPy slopes when ``spec.alibi``; ``seed`` and ``offset``
     the generator's when ``spec.dropout`` > 0. With ``block_mask`` (a ``BlockMask`` whose
     geometry was checked), the tiles are the mask's blocks and each query block visits only
-    its listed key blocks."""
+    its listed key blocks. ``score_mod`` (a ``mods.ScoreMod``) and the block mask's
+    ``mask_mod`` run their ``python`` rules on ``user_arrays`` (NumPy, by name)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
-    scores = _scores(q, k, scale, spec, alibi_slopes)
+    scores = _scores(q, k, scale, spec, alibi_slopes, score_mod, _mask_mod(block_mask),
+                     user_arrays)
     drop = _dropout(q, k, spec, seed, offset)
     if block_mask is None:
         br, bc = BR, BC
@@ -277,11 +324,12 @@ def _forward_tiles(q64, k64, v64, scores, drop, kv_list, br, bc):
 
 @np.errstate(**_IEEE)
 def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None,
-             seed=None, offset=0):
+             seed=None, offset=0, score_mod=None, user_arrays=None):
     """Returns ``(dq, dk, dv)`` shaped and typed like q, k and v (dk, dv summed over the
     query heads of each group). ``spec``, ``block_mask``, ``alibi_slopes``, ``seed`` and
     ``offset`` as in ``forward``: each key block loops over the query blocks that visit it
-    (the mask's transposed lists with a mask)."""
+    (the mask's transposed lists with a mask). With a score_mod whose ``grad_arrays`` are
+    given, a fourth result: their gradients, float64, by name."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -291,7 +339,10 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes
     lse64 = np.asarray(lse, dtype=np.float64).reshape(b, hk, g, sq)
     # Rows that saw no key (lse = -inf) get P = exp2(s - inf) = 0 instead of inf or NaN.
     lse_log2 = np.where(np.isneginf(lse64), np.inf, lse64 * LOG2E)
-    scores = _scores(q, k, scale, spec, alibi_slopes)
+    grads = {n: np.zeros(np.shape(user_arrays[n])) for n in
+             (score_mod.grad_arrays if score_mod is not None else ())}
+    scores = _scores(q, k, scale, spec, alibi_slopes, score_mod, _mask_mod(block_mask),
+                     user_arrays, grads)
     drop = _dropout(q, k, spec, seed, offset)
     if block_mask is None:
         br, bc = BR, BC
@@ -313,7 +364,13 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes
         dv[:, kv_heads] += dv_h
     dk = np.ascontiguousarray(dk.transpose(0, 2, 1, 3).astype(k.dtype))
     dv = np.ascontiguousarray(dv.transpose(0, 2, 1, 3).astype(v.dtype))
+    if grads:
+        return _ungrouped(dq, q.dtype), dk, dv, grads
     return _ungrouped(dq, q.dtype), dk, dv
+
+
+def _mask_mod(block_mask):
+    return block_mask.mask_mod if block_mask is not None else None
 
 
 def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scores, drop, q_list, br, bc):
@@ -345,10 +402,7 @@ def _backward_tiles(q64, k64, v64, do64, dsum, lse_log2, scores, drop, q_list, b
                 dp = np.where(kept, dp * drop.rescale, 0.0)
             dv_t += (p_out.swapaxes(-1, -2) @ do_t).sum(axis=2)     # summed over the group
             ds = p * (dp - dsum[..., r0:r1, None])    # d loss / d score (natural units)
-            if t is not None:
-                # Through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - tanh**2; the
-                # ALiBi bias is a constant and passes the gradient on unchanged.
-                ds = ds * (1.0 - t * t)
+            ds = scores.backprop(ds, t, r0, r1, c0, c1)
             dk_t += (ds.swapaxes(-1, -2) @ q_t).sum(axis=2) * scale
             dq[..., r0:r1, :] += (ds @ k_t) * scale
         dk[..., c0:c1, :] = dk_t

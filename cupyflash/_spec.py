@@ -70,16 +70,20 @@ class CallSpec:
     alibi: bool = False         # ALiBi slopes are given (an array beside the spec)
     dropout: float = 0.0        # dropout probability (the seed and offset travel beside it)
     sparse: bool = False        # a BlockMask gives the visited tiles
+    score_mod: bool = False     # a user score_mod (cupyflash.mods), beside the spec
+    mask_mod: bool = False      # a user mask_mod (it comes with the BlockMask built from it)
+    user_mods: str = ""         # the kernels' ``struct UserMods`` of the mods' CUDA snippets
 
     @classmethod
     def of(cls, q, *, causal, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
-           dropout_p=0.0, block_mask=None):
+           dropout_p=0.0, block_mask=None, score_mod=None, mask_mod=None, user_mods=""):
         """The spec of a call on ``q`` whose arguments were validated; ``causal`` is already
-        ORed with the mask's own."""
+        ORed with the mask's own; ``user_mods`` is ``mods.prelude`` of the GPU's snippets."""
         return cls(dtype=np.dtype(q.dtype).name, headdim=_config.head_dim_bucket(q.shape[-1]),
                    window=band(causal, window_size), softcap=float(softcap),
                    alibi=alibi_slopes is not None, dropout=float(dropout_p),
-                   sparse=block_mask is not None)
+                   sparse=block_mask is not None, score_mod=score_mod is not None,
+                   mask_mod=mask_mod is not None, user_mods=user_mods)
 
     @property
     def causal(self):
@@ -101,9 +105,11 @@ class CallSpec:
         """The features beyond the band that cost the kernels registers (the tile table skips
         tiles that spill with them, _config.tile)."""
         return tuple(name for name, on in (("softcap", self.softcap > 0), ("alibi", self.alibi),
-                                           ("dropout", self.dropout > 0)) if on)
+                                           ("dropout", self.dropout > 0),
+                                           ("user", self.score_mod or self.mask_mod)) if on)
 
     def variant(self):
         """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh)."""
         flags = (self.causal, self.local, self.softcap > 0, self.alibi, self.dropout > 0)
-        return "Variant<" + ", ".join("true" if f else "false" for f in flags) + ">"
+        args = ["true" if f else "false" for f in flags] + (["UserMods"] if self.user_mods else [])
+        return "Variant<" + ", ".join(args) + ">"

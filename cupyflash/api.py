@@ -3,12 +3,12 @@ import math
 
 import numpy as np
 
-from . import _arrays, _config, _spec, _validate
+from . import _arrays, _config, _spec, _validate, mods
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
-                    block_mask=None, return_lse=False):
+                    block_mask=None, score_mod=None, mask_mod=None, return_lse=False):
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
     Parameters
@@ -78,6 +78,20 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         Block-sparse attention: only the kept blocks are visited (masked-out blocks cost no
         memory traffic and no math). The result equals dense attention with the element mask
         ``block_mask.to_dense()`` (and the causal mask if ``causal``); see ``cupyflash.masks``.
+        A mask from ``cupyflash.masks.from_mask_mod`` also applies its rule per element.
+    score_mod : cupyflash.ScoreMod or callable, optional
+        A rule of the caller's for the scores (``cupyflash.mods``): each score ``s = q.k *
+        softmax_scale`` of query ``q_idx``, key ``kv_idx``, batch entry ``b`` and query head
+        ``h`` becomes ``score_mod(s, b, h, q_idx, kv_idx)`` before the masks and the softmax.
+        Its CUDA snippet runs on the GPU, its ``python`` rule (or the callable itself) on
+        NumPy inputs. Not with ``softcap`` or ``alibi_slopes`` (write them into the rule), nor
+        with ``dropout_p > 0`` on the GPU (NotImplementedError).
+    mask_mod : cupyflash.MaskMod or callable, optional
+        A rule for which keys each query sees, ``mask_mod(b, h, q_idx, kv_idx) -> bool``,
+        ANDed with ``causal``. The call first classifies its blocks (``masks.from_mask_mod``
+        over this call's batch and heads; build that mask once and pass it as
+        ``block_mask=`` to save the classification on every call). Not with ``block_mask`` or
+        ``window_size``.
     return_lse : bool
         Also return ``lse = log(sum_j exp(s_ij))`` (natural log, ``s_ij`` the final scores,
         bias included), (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
@@ -109,19 +123,24 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     """
     causal = _validate.check_flag("causal", causal)
     return_lse = _validate.check_flag("return_lse", return_lse)
+    score_mod, mask_mod = _check_mods(score_mod, mask_mod, block_mask, window_size)
     window_size = _validate.check_window_size(window_size, block_mask)
     dropout_p, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
-    (q, k, v), alibi_slopes, kind, xp = _as_backend((q, k, v), ("q", "k", "v"), alibi_slopes)
+    (q, k, v), alibi_slopes, user, kind, xp = _as_backend(
+        (q, k, v), ("q", "k", "v"), alibi_slopes, score_mod, mask_mod, block_mask)
     _validate.check_forward(q, k, v, softmax_scale)
+    _check_gpu_rules(score_mod, mask_mod, block_mask, xp)
+    block_mask = _mask_of(mask_mod, block_mask, q, k, xp)
     spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                             dropout_p, block_mask)
+                             dropout_p, block_mask, score_mod, xp)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
             out, lse = _numpy_backend.forward(q, k, v, scale, spec, block_mask, alibi_slopes,
-                                              seed, offset)
+                                              seed, offset, score_mod, dict(user))
         else:
-            out, lse = _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset)
+            out, lse = _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset,
+                                    user)
         out = _arrays.to_caller(out, kind)
         return (out, _arrays.to_caller(lse, kind)) if return_lse else out
 
@@ -129,20 +148,22 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              dropout_p=0.0, seed=None, offset=0, block_mask=None,
-                             deterministic=False):
+                             score_mod=None, mask_mod=None, deterministic=False):
     """Gradients of ``flash_attention`` with respect to q, k and v.
 
     Parameters
     ----------
     dout : array like ``out``, the gradient of the loss with respect to ``out``.
     q, k, v, out, lse : the forward's inputs, output and lse (``return_lse=True``).
-    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, offset, block_mask
+    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, offset, block_mask, score_mod, mask_mod
         Exactly as given to the forward that made ``out`` and ``lse``. Nothing records
         them there, so they cannot be checked: other values give wrong gradients, silently.
         The gradient goes through the softcap (``1 - tanh(s / softcap)**2``); the ALiBi
         slopes are constants (no gradient). With dropout the mask is regenerated from
         ``seed`` and ``offset`` (never stored): ``dv = (P * keep / (1 - dropout_p))^T
-        dout``, and ``dP = dout v^T`` is dropped and scaled the same way.
+        dout``, and ``dP = dout v^T`` is dropped and scaled the same way. A score_mod needs
+        its gradient rule (``grad`` on the GPU, ``python_grad`` on NumPy inputs; ValueError
+        without).
     deterministic : bool
         Compute dq in its own query-block-parallel pass instead of adding it up with
         atomics, so that repeated calls give bit-identical dq (a little slower).
@@ -151,51 +172,120 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     -------
     dq, dk, dv : arrays shaped like q, k and v. With grouped heads, dk and dv are summed
         over the query heads of each group.
+    grads : dict, only with a score_mod that names ``grad_arrays``
+        The gradients of those arrays by name, shaped like them (float32 on the GPU, float64
+        on the NumPy path), as a fourth result.
     """
     causal = _validate.check_flag("causal", causal)
     deterministic = _validate.check_flag("deterministic", deterministic)
+    score_mod, mask_mod = _check_mods(score_mod, mask_mod, block_mask, window_size)
     window_size = _validate.check_window_size(window_size, block_mask)
     dropout_p, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
     names = ("dout", "q", "k", "v", "out", "lse")
-    arrays, alibi_slopes, kind, xp = _as_backend((dout, q, k, v, out, lse), names,
-                                                 alibi_slopes)
+    arrays, alibi_slopes, user, kind, xp = _as_backend(
+        (dout, q, k, v, out, lse), names, alibi_slopes, score_mod, mask_mod, block_mask)
     dout, q, k, v, out, lse = arrays
     _validate.check_backward(dout, q, k, v, out, lse, softmax_scale)
+    _check_gpu_rules(score_mod, mask_mod, block_mask, xp)
+    if score_mod is not None and (score_mod.grad if xp is not np else score_mod.python_grad) is None:
+        which = "grad= (CUDA)" if xp is not np else "python_grad="
+        raise ValueError(f"score_mod has no gradient rule for these inputs: the backward needs "
+                         f"d loss / d score from dscore; give the ScoreMod {which}")
+    block_mask = _mask_of(mask_mod, block_mask, q, k, xp)
     spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                             dropout_p, block_mask)
+                             dropout_p, block_mask, score_mod, xp)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
             grads = _numpy_backend.backward(dout, q, k, v, out, lse, scale, spec, block_mask,
-                                            alibi_slopes, seed, offset)
+                                            alibi_slopes, seed, offset, score_mod, dict(user))
         else:
             grads = _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask,
-                                  alibi_slopes, seed, offset, deterministic)
+                                  alibi_slopes, seed, offset, deterministic, score_mod, user)
+        if len(grads) == 4:
+            return (*(_arrays.to_caller(g, kind) for g in grads[:3]),
+                    {n: _arrays.to_caller(g, kind) for n, g in grads[3].items()})
         return tuple(_arrays.to_caller(g, kind) for g in grads)
 
 
-def _as_backend(arrays, names, alibi_slopes):
-    """``_arrays.as_backend`` of the call's arrays, the slopes (when given) among them, so
-    that they convert, and mix or not, as q does. Returns (arrays, slopes, caller, xp)."""
-    if alibi_slopes is None:
-        converted, kind, xp = _arrays.as_backend(arrays, names)
-        return converted, None, kind, xp
-    converted, kind, xp = _arrays.as_backend((*arrays, alibi_slopes), (*names, "alibi_slopes"))
-    return converted[:-1], converted[-1], kind, xp
+def _check_mods(score_mod, mask_mod, block_mask, window_size):
+    """``score_mod`` and ``mask_mod`` as mods.ScoreMod / MaskMod (or None); a mask_mod
+    replaces a block mask and cannot be combined with one or with a window."""
+    score_mod, mask_mod = mods.as_score_mod(score_mod), mods.as_mask_mod(mask_mod)
+    if mask_mod is not None and block_mask is not None:
+        raise ValueError("mask_mod and block_mask cannot be combined: a mask_mod makes its own "
+                         "block mask (masks.from_mask_mod); write the blocks into the rule")
+    if mask_mod is not None and tuple(window_size) != (-1, -1):
+        raise ValueError("mask_mod and window_size cannot be combined yet; write the window "
+                         "into the rule")
+    return score_mod, mask_mod
+
+
+def _check_gpu_rules(score_mod, mask_mod, block_mask, xp):
+    """Each mod has the rule its inputs run: CUDA code for GPU inputs, checked through NVRTC
+    (SnippetError) before anything is allocated, or a Python callable for NumPy inputs."""
+    if mask_mod is None:   # a BlockMask's own (validated later; anything else has none)
+        mask_mod = getattr(block_mask, "mask_mod", None)
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is None:
+            continue
+        if xp is not np and mod.cuda is None:
+            raise ValueError(f"{name} has no CUDA rule (cuda=) for GPU inputs")
+        if xp is np and mod.python is None:
+            raise ValueError(f"{name} has no python rule (python=) for NumPy inputs")
+    if xp is not np:
+        text = mods.prelude(score_mod, mask_mod)
+        if text:
+            mods.check_prelude(text)
+
+
+def _as_backend(arrays, names, alibi_slopes, score_mod=None, mask_mod=None, block_mask=None):
+    """``_arrays.as_backend`` of the call's arrays, the slopes and the user mods' arrays
+    among them, so that they convert, and mix or not, as q does. Returns (arrays, slopes,
+    the mods' arrays as [(name, C-contiguous array)] in slot order, caller, xp)."""
+    if mask_mod is None:   # a BlockMask's own (validated later; anything else has none)
+        mask_mod = getattr(block_mask, "mask_mod", None)
+    slots = mods.slots(score_mod, mask_mod)
+    extra = ([alibi_slopes] if alibi_slopes is not None else []) + [a for _, _, a in slots]
+    extra_names = (["alibi_slopes"] if alibi_slopes is not None else []) + \
+        [f"{owner} array {name!r}" for owner, name, _ in slots]
+    converted, kind, xp = _arrays.as_backend((*arrays, *extra), (*names, *extra_names))
+    n = len(arrays)
+    slopes = converted[n] if alibi_slopes is not None else None
+    user = [(name, xp.ascontiguousarray(a))
+            for (_, name, _), a in zip(slots, converted[n + (alibi_slopes is not None):])]
+    return converted[:n], slopes, user, kind, xp
+
+
+def _mask_of(mask_mod, block_mask, q, k, xp):
+    """The block mask of the call: the one given, or the blocks of ``mask_mod`` classified
+    over this call's batch and heads, where the call runs."""
+    if mask_mod is None:
+        return block_mask
+    from . import masks
+    return masks.classify_mask_mod(mask_mod, q.shape[1], k.shape[1], batch=q.shape[0],
+                                   nheads=q.shape[2], on_gpu=xp is not np)
 
 
 def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-               block_mask):
+               block_mask, score_mod, xp):
     """Checks the rest of the call against q and k; returns its CallSpec and softmax scale."""
     scale = _scale(softmax_scale, q.shape[-1])
     softcap = _validate.check_softcap(softcap, q.dtype)
     _validate.check_alibi_slopes(alibi_slopes, q)
+    mask_mod = None
     if block_mask is not None:
         _validate.check_block_mask(block_mask, q, k)
         causal = causal or block_mask.causal
+        mask_mod = block_mask.mask_mod
+    if score_mod is not None and (softcap or alibi_slopes is not None):
+        raise ValueError("score_mod cannot be combined with softcap or alibi_slopes: write "
+                         "them into the score_mod")
+    user_mods = mods.prelude(score_mod, mask_mod) if xp is not np else ""
     spec = _spec.CallSpec.of(q, causal=causal, window_size=window_size, softcap=softcap,
                              alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                             block_mask=block_mask)
+                             block_mask=block_mask, score_mod=score_mod, mask_mod=mask_mod,
+                             user_mods=user_mods)
     return spec, scale
 
 
@@ -203,7 +293,7 @@ def _scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
-def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset):
+def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset, user):
     """Runs inside the caller's device and stream (``_arrays.launch_context``)."""
     import cupy as cp
     from . import _launch
@@ -211,12 +301,13 @@ def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset):
     b, sq, h, _ = q.shape
     out = cp.empty(q.shape, q.dtype)
     lse = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
-    _launch.forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, (seed, offset))
+    _launch.forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, (seed, offset),
+                    [a for _, a in user])
     return out, lse
 
 
 def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, seed, offset,
-                  deterministic):
+                  deterministic, score_mod, user):
     import cupy as cp
     from . import _launch
     _launch.check_supported(spec, block_mask)
@@ -229,6 +320,11 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
     stats = cp.empty((2, b, h, sq), _config.lse_dtype(q.dtype))   # D and lse in log2 units
     use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
     dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
+    wanted = score_mod.grad_arrays if score_mod is not None else ()
+    grads = {slot: cp.zeros(a.shape, cp.float32) for slot, (name, a) in enumerate(user)
+             if name in wanted}
     _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
-                     block_mask, alibi_slopes, (seed, offset))
+                     block_mask, alibi_slopes, (seed, offset), [a for _, a in user], grads)
+    if grads:
+        return dq, dk, dv, {user[slot][0]: g for slot, g in grads.items()}
     return dq, dk, dv

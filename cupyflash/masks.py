@@ -22,7 +22,8 @@ kernel's tiles, which may be smaller than the mask's blocks.
 
 Builders (each returns a ``BlockMask``; ``block_size`` is 64 or 128, or a pair
 ``(block_q, block_k)``; random ones are deterministic given ``seed``):
-``causal``, ``sliding_window``, ``strided``, ``longformer``, ``bigbird``, ``random``.
+``causal``, ``sliding_window``, ``strided``, ``longformer``, ``bigbird``, ``random``, and
+``from_mask_mod`` (the blocks of a user rule, ``cupyflash.MaskMod``).
 Masks combine with ``&`` (blocks kept by both) and ``|`` (blocks kept by either).
 """
 import collections
@@ -35,7 +36,7 @@ from ._config import MASK_BLOCK_SIZES as BLOCK_SIZES, cdiv
 from ._validate import INT32_LIMIT, check_flag, check_int as _check_int
 
 __all__ = ["BlockMask", "TileLists", "causal", "sliding_window", "strided", "longformer",
-           "bigbird", "random"]
+           "bigbird", "random", "from_mask_mod"]
 
 TILE_MIN, TILE_MAX = 16, 128
 # Device copies of the visiting lists kept per mask (see BlockMask.tile_lists).
@@ -190,7 +191,14 @@ class BlockMask:
     def __init__(self, blocks, block_size=128, *, seqlen_q, seqlen_k, causal=False):
         self._init(blocks, "blocks", block_size, seqlen_q, seqlen_k, causal)
 
-    def _init(self, blocks, name, block_size, seqlen_q, seqlen_k, causal):
+    # A mask built from a user mask_mod (from_mask_mod): the rule, the batch it was classified
+    # over (None: any), and its partial blocks (heads, nbq, nbk), where the rule hides some
+    # elements and shows others.
+    mask_mod = None
+    mask_batch = None
+    _mod_partial = None
+
+    def _init(self, blocks, name, block_size, seqlen_q, seqlen_k, causal, mod_partial=None):
         """The constructor's work; ``name`` is what the caller called the block grid."""
         block_q, block_k = _block_pair(block_size)
         seqlen_q = _check_seqlen("seqlen_q", seqlen_q)
@@ -215,6 +223,7 @@ class BlockMask:
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.causal = causal
         self.blocks = _read_only(np.array(blocks, dtype=np.bool_, order="C"))
+        self._mod_partial = mod_partial
         lists = self._lists(block_q, block_k, self.causal)
         (self.kv_indices, self.kv_counts, self.kv_partial,
          self.q_indices, self.q_counts, self.q_partial) = (_read_only(a) for a in lists)
@@ -286,6 +295,9 @@ class BlockMask:
     def _combine_check(self, other, op):
         if not isinstance(other, BlockMask):
             return NotImplemented
+        if self.mask_mod is not None or other.mask_mod is not None:
+            raise ValueError(f"BlockMask {op}: a mask built from a mask_mod does not combine; "
+                             f"write the combined rule into the mask_mod")
         mine = (self.block_q, self.block_k, self.seqlen_q, self.seqlen_k)
         theirs = (other.block_q, other.block_k, other.seqlen_q, other.seqlen_k)
         if mine != theirs:
@@ -338,7 +350,10 @@ class BlockMask:
         last_begin, _ = _spec.key_range(np.minimum(rows0 + tile_q, sq) - 1, sq, sk, window)
         partial = ((cols0[None, :] + tile_k > first_end[:, None])
                    | (cols0[None, :] < last_begin[:, None]))
-        partial = np.broadcast_to(partial[None], kept.shape)
+        if self._mod_partial is not None:     # tiles of a block the mask_mod cuts
+            partial = partial[None] | self._mod_partial[:, (rows0 // self.block_q)[:, None],
+                                                        (cols0 // self.block_k)[None]]
+        partial = np.broadcast_to(partial, kept.shape)
         kv = _sorted_lists(kept, partial)
         q = _sorted_lists(kept.transpose(0, 2, 1), partial.transpose(0, 2, 1))
         return TileLists(*kv, *q)
@@ -518,3 +533,104 @@ def random(seqlen_q, seqlen_k, density, seed, block_size=128, nheads=1):
     block_size, sq, sk, rows, cols = _geometry(seqlen_q, seqlen_k, block_size)
     shape = (nheads, rows[0].shape[0], cols[0].shape[1])
     return _make(np.random.default_rng(seed).random(shape) < float(density), block_size, sq, sk)
+
+
+def from_mask_mod(mask_mod, seqlen_q, seqlen_k, *, batch=None, nheads=None, block_size=128,
+                  causal=False):
+    """The BlockMask of a user rule: blocks where ``mask_mod`` shows no element are left out,
+    blocks where it shows every element are full, the others partial (the kernels evaluate the
+    rule per element there only). Pass the result as ``block_mask=`` to both passes.
+
+    Parameters
+    ----------
+    mask_mod : cupyflash.MaskMod, or a callable ``(b, h, q_idx, kv_idx) -> bool`` (NumPy)
+    seqlen_q, seqlen_k : int
+    batch, nheads : int, optional
+        The batch size and number of query heads of the calls. None promises that the rule
+        does not depend on ``b`` (``h``): it is classified at 0 only, as FlexAttention's
+        ``B=None`` / ``H=None``. Given, every (b, h) is classified; the blocks are per head
+        (``heads = nheads``) and shared by the batch (a block is skipped only where it is
+        empty for every batch entry, and full only where it is full for all).
+    block_size : int or (int, int)
+        64 or 128 per side.
+    causal : bool
+        Also apply the built-in causal rule (its diagonal needs no user code).
+
+    The rule is classified on the GPU when the mask_mod has CUDA code and its arrays are on
+    the GPU (or it has none and CuPy sees a GPU); else on the CPU with its ``python`` rule.
+    Either way the block grid comes back to the host once (``nbq x nbk`` per head).
+    """
+    from . import mods
+    mask_mod = mods.as_mask_mod(mask_mod)
+    return classify_mask_mod(mask_mod, seqlen_q, seqlen_k, batch=batch, nheads=nheads,
+                             block_size=block_size, causal=causal, on_gpu=_on_gpu(mask_mod))
+
+
+def classify_mask_mod(mask_mod, seqlen_q, seqlen_k, *, batch, nheads, block_size=128,
+                      causal=False, on_gpu):
+    """``from_mask_mod`` of a ``mods.MaskMod``, on the GPU or on the CPU as ``on_gpu`` says."""
+    block_q, block_k = _block_pair(block_size)
+    seqlen_q = _check_seqlen("seqlen_q", seqlen_q)
+    seqlen_k = _check_seqlen("seqlen_k", seqlen_k)
+    nb = 1 if batch is None else _check_int("batch", batch, 1, INT32_LIMIT - 1)
+    nh = 1 if nheads is None else _check_int("nheads", nheads, 1, INT32_LIMIT - 1)
+    if on_gpu:
+        counts = _classify_gpu(mask_mod, seqlen_q, seqlen_k, block_q, block_k, nh, nb)
+    else:
+        counts = _classify_numpy(mask_mod, seqlen_q, seqlen_k, block_q, block_k, nh, nb)
+    rows = np.minimum(np.arange(cdiv(seqlen_q, block_q)) * block_q + block_q, seqlen_q) \
+        - np.arange(cdiv(seqlen_q, block_q)) * block_q
+    cols = np.minimum(np.arange(cdiv(seqlen_k, block_k)) * block_k + block_k, seqlen_k) \
+        - np.arange(cdiv(seqlen_k, block_k)) * block_k
+    full = counts == nb * rows[:, None] * cols[None, :]
+    kept = counts > 0
+    mask = BlockMask.__new__(BlockMask)
+    mask.mask_mod, mask.mask_batch = mask_mod, batch
+    mask._init(kept, "mask_mod", (block_q, block_k), seqlen_q, seqlen_k, causal,
+               mod_partial=kept & ~full)
+    return mask
+
+
+def _on_gpu(mask_mod):
+    from . import _arrays, _gpu
+    if mask_mod.cuda is None:
+        return False
+    kinds = {_arrays.framework(a) for a in mask_mod.arrays.values()}
+    if kinds:
+        return kinds != {"numpy"}
+    return _gpu.gpu_or_reason()[0] is not None
+
+
+def _classify_gpu(mask_mod, seqlen_q, seqlen_k, block_q, block_k, heads, batch):
+    import cupy
+    from . import _arrays, _launch, mods
+    if mask_mod.cuda is None:
+        raise ValueError("mask_mod has no CUDA rule (cuda=) to classify its blocks on the GPU")
+    text = mods.prelude(None, mask_mod)
+    mods.check_prelude(text)
+    names = [f"mask_mod array {n!r}" for n in mask_mod.arrays]
+    arrays, _, _ = _arrays.as_backend(tuple(mask_mod.arrays.values()), names)
+    arrays = [cupy.ascontiguousarray(a) for a in arrays]
+    return _launch.classify_blocks(text, arrays, seqlen_q, seqlen_k, block_q, block_k, heads,
+                                   batch).get()
+
+
+def _classify_numpy(mask_mod, seqlen_q, seqlen_k, block_q, block_k, heads, batch):
+    if mask_mod.python is None:
+        raise ValueError("mask_mod: no python rule to classify its blocks on the CPU (give "
+                         "MaskMod(python=...), or CUDA code with arrays on the GPU)")
+    arrays = {n: _to_numpy(a, f"mask_mod array {n!r}") for n, a in mask_mod.arrays.items()}
+    nbq, nbk = cdiv(seqlen_q, block_q), cdiv(seqlen_k, block_k)
+    counts = np.zeros((heads, nbq, nbk), np.int64)
+    b = np.arange(batch)[:, None, None, None]
+    h = np.arange(heads)[None, :, None, None]
+    cols = np.arange(seqlen_k)
+    for i in range(nbq):
+        rows = np.arange(i * block_q, min((i + 1) * block_q, seqlen_q))
+        seen = np.broadcast_to(mask_mod.python(b, h, rows[None, None, :, None],
+                                               cols[None, None, None, :], **arrays),
+                               (batch, heads, len(rows), seqlen_k))
+        per_key = seen.sum(axis=(0, 2))                           # (heads, seqlen_k)
+        pad = nbk * block_k - seqlen_k
+        counts[:, i] = np.pad(per_key, ((0, 0), (0, pad))).reshape(heads, nbk, block_k).sum(-1)
+    return counts

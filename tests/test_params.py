@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from cupyflash import _compile, _config, _launch  # noqa: E402
-from cupyflash._launch import BLOCK_LIST, BWD_PARAMS, FWD_PARAMS, TENSOR_REF  # noqa: E402
+from cupyflash._launch import (BLOCK_LIST, BWD_PARAMS, FWD_PARAMS, SCORE_PARAMS,  # noqa: E402
+                               TENSOR_REF, USER_PARAMS)
 
 
 def _compile_log(filename, asserts):
@@ -24,8 +25,8 @@ def _compile_log(filename, asserts):
         nvrtc.destroyProgram(prog)
 
 
-STRUCTS = [("TensorRef", TENSOR_REF), ("BlockList", BLOCK_LIST), ("FwdParams", FWD_PARAMS),
-           ("BwdParams", BWD_PARAMS)]
+STRUCTS = [("TensorRef", TENSOR_REF), ("BlockList", BLOCK_LIST), ("ScoreParams", SCORE_PARAMS),
+           ("UserParams", USER_PARAMS), ("FwdParams", FWD_PARAMS), ("BwdParams", BWD_PARAMS)]
 
 
 @pytest.mark.parametrize("cname,dtype", STRUCTS)
@@ -47,7 +48,9 @@ def test_params_struct_offsets_match_numpy_dtype(cname, dtype):
 
 @pytest.mark.parametrize("filename,asserts", [
     ("common.cuh", [f"static_assert(SMEM_PAD == {_config.SMEM_PAD}, \"SMEM_PAD\");",
-                    f"static_assert(LOG2E == {_config.LOG2E!r}f, \"LOG2E\");"]),
+                    f"static_assert(LOG2E == {_config.LOG2E!r}f, \"LOG2E\");",
+                    f"static_assert(USER_ARRAYS == {_launch.USER_ARRAYS} && USER_NDIM == "
+                    f"{_launch.USER_NDIM}, \"USER_ARRAYS\");"]),
     ("bwd.cu", [f"static_assert(PREPROCESS_WARPS == {_config.GENERIC_WARPS}, \"GENERIC_WARPS\");",
                 f"static_assert(DQ_CONVERT_THREADS == {_launch.DQ_CONVERT_THREADS}, "
                 f"\"DQ_CONVERT_THREADS\");"]),

@@ -1,0 +1,302 @@
+"""User mods: attention rules of the caller's own (FlexAttention's ``score_mod`` and
+``mask_mod``), as CUDA C++ snippets for the GPU kernels and Python callables for the NumPy path.
+
+A ``ScoreMod`` changes each score ``s = q.k * softmax_scale`` of query ``q_idx`` and key
+``kv_idx`` of batch entry ``b`` and query head ``h`` before the softmax; a ``MaskMod`` says
+whether that query sees that key. Both may read arrays the caller passes by name (a
+relative-position table, document ids, ...). The GPU kernels compile the snippets in through
+NVRTC (``cuda/user.cuh`` says how they are spliced) and cache them like every instantiation, by
+source text. See the README's "User mods" section for a worked example.
+
+Snippets are either one C++ expression or a function body with ``return``. Names in scope:
+
+- ``score`` (score_mod; float in the fp16/bf16/fp32 kernels, double in the float64 ones),
+  ``b``, ``h``, ``q_idx``, ``kv_idx`` (int);
+- each array by its name: ``bias[i]`` reads flat element ``i``, ``bias(i, j)`` the element at
+  those indices (C order), ``bias.offset(i, j)`` is its flat index, ``bias.shape(d)`` a
+  dimension;
+- in a gradient snippet also ``dscore`` (d loss / d the modified score) and, for each array
+  named in ``grad_arrays``, ``d_<name>`` with ``d_<name>.add(flat_index, value)``. The snippet
+  returns d loss / d score.
+"""
+import functools
+import re
+
+import numpy as np
+
+__all__ = ["ScoreMod", "MaskMod", "SnippetError"]
+
+# dtypes of the arrays a snippet may read, and their C++ element types.
+CTYPES = {"bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short",
+          "int32": "int", "int64": "long long", "float32": "float", "float64": "double"}
+MAX_ARRAYS = 8   # per call, score_mod's and mask_mod's together (cuda/params.cuh USER_ARRAYS)
+MAX_NDIM = 4
+_RESERVED = {"score", "dscore", "b", "h", "q_idx", "kv_idx", "u_", "accumulate", "S"}
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_RETURN = re.compile(r"\breturn\b")
+# The pseudo file names of the snippets in NVRTC's messages.
+SCORE_FILE, GRAD_FILE, MASK_FILE = "score_mod", "score_mod.grad", "mask_mod"
+
+
+class SnippetError(ValueError):
+    """A user snippet NVRTC rejects. ``log`` holds NVRTC's messages about it, with the line
+    numbers of the snippet itself (``score_mod(2): error: ...``)."""
+
+    def __init__(self, message, log):
+        super().__init__(message)
+        self.log = log
+
+
+def _check_code(name, code):
+    if code is None:
+        return None
+    if not isinstance(code, str) or not code.strip():
+        raise TypeError(f"{name} must be a non-empty string of CUDA C++, got "
+                        f"{type(code).__name__}")
+    return code
+
+
+def _check_callable(name, fn):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    return fn
+
+
+def _check_arrays(owner, arrays):
+    """The arrays as a dict name -> array (any kind; converted with q at the call)."""
+    if arrays is None:
+        return {}
+    if not isinstance(arrays, dict):
+        raise TypeError(f"{owner} arrays must be a dict of name -> array, got "
+                        f"{type(arrays).__name__}")
+    for name, a in arrays.items():
+        if not isinstance(name, str) or not _IDENT.match(name) or name in _RESERVED \
+                or name.startswith("d_"):
+            raise ValueError(f"{owner} array name {name!r} must be a C identifier, not "
+                             f"starting with 'd_' and none of {sorted(_RESERVED)}")
+        shape = getattr(a, "shape", None)
+        if getattr(a, "dtype", None) is None or shape is None:
+            raise TypeError(f"{owner} array {name!r} must be an array, got {type(a).__name__}")
+        dname = _dtype_name(a)
+        if dname not in CTYPES:
+            raise TypeError(f"{owner} array {name!r}: dtype must be one of {sorted(CTYPES)}, got "
+                            f"{dname}")
+        if not 1 <= len(shape) <= MAX_NDIM or 0 in tuple(shape):
+            raise ValueError(f"{owner} array {name!r} must have 1 to {MAX_NDIM} dimensions and "
+                             f"no zero-size one, got shape {tuple(shape)}")
+    if len(arrays) > MAX_ARRAYS:
+        raise ValueError(f"{owner}: at most {MAX_ARRAYS} arrays, got {len(arrays)}")
+    return dict(arrays)
+
+
+def _dtype_name(a):
+    """NumPy's name of an array's dtype (NumPy, CuPy, JAX, or ``torch.float32``-style)."""
+    try:
+        return np.dtype(a.dtype).name
+    except TypeError:
+        return str(a.dtype).replace("torch.", "")
+
+
+def _body(code):
+    """An expression becomes ``return (expr);`` on its own first line (the snippet's line
+    numbers are kept); a body with ``return`` stays as it is."""
+    return code if _RETURN.search(code) else f"return ({code});"
+
+
+class ScoreMod:
+    """A rule for the scores: ``score_mod(score, b, h, q_idx, kv_idx) -> new score``.
+
+    Parameters
+    ----------
+    cuda : str, optional
+        The rule for the GPU kernels, a CUDA C++ expression or body (see ``cupyflash.mods``),
+        e.g. ``"score + bias(h, kv_idx - q_idx + 512)"``.
+    grad : str, optional
+        Its gradient for ``flash_attention_backward``: returns d loss / d score from ``dscore``
+        (d loss / d the modified score), e.g. ``"dscore"`` for any added bias; may add to the
+        gradients of ``grad_arrays`` (``d_bias.add(bias.offset(h, kv_idx - q_idx + 512),
+        dscore)``). Without it the backward refuses the mod.
+    python, python_grad : callable, optional
+        The same rule and gradient for NumPy inputs: ``python(score, b, h, q_idx, kv_idx,
+        **arrays)`` and ``python_grad(score, dscore, b, h, q_idx, kv_idx, **arrays,
+        **d_arrays)`` on NumPy arrays that broadcast together (float64 scores, int64
+        indices; ``d_<name>`` float64 buffers to add into, e.g. with ``np.add.at``).
+    arrays : dict of str -> array, optional
+        Read-only arrays the rule uses, of q's kind and device (NumPy with NumPy inputs),
+        1 to 4 dimensions, bool, integer or float dtypes. At most 8 per call with a mask_mod's.
+    grad_arrays : sequence of str
+        Names of float arrays whose gradient the backward returns (float32 on the GPU, float64
+        on the NumPy path), as a dict after (dq, dk, dv).
+    """
+
+    def __init__(self, cuda=None, *, grad=None, python=None, python_grad=None, arrays=None,
+                 grad_arrays=()):
+        self.cuda = _check_code("ScoreMod cuda", cuda)
+        self.grad = _check_code("ScoreMod grad", grad)
+        self.python = _check_callable("ScoreMod python", python)
+        self.python_grad = _check_callable("ScoreMod python_grad", python_grad)
+        if self.cuda is None and self.python is None:
+            raise ValueError("ScoreMod needs a rule: cuda= (GPU) and/or python= (NumPy path)")
+        self.arrays = _check_arrays("ScoreMod", arrays)
+        if isinstance(grad_arrays, str):
+            grad_arrays = (grad_arrays,)
+        self.grad_arrays = tuple(grad_arrays)
+        for name in self.grad_arrays:
+            if name not in self.arrays:
+                raise ValueError(f"ScoreMod grad_arrays: {name!r} is not one of its arrays "
+                                 f"{sorted(self.arrays)}")
+            if not _dtype_name(self.arrays[name]).startswith("float"):
+                raise TypeError(f"ScoreMod grad_arrays: {name!r} must be a float array to have "
+                                f"a gradient, got {self.arrays[name].dtype}")
+
+    def __repr__(self):
+        return (f"ScoreMod(cuda={self.cuda!r}, grad={self.grad!r}, arrays={sorted(self.arrays)},"
+                f" grad_arrays={list(self.grad_arrays)})")
+
+
+class MaskMod:
+    """A rule for which keys a query sees: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True:
+    visible).
+
+    Parameters
+    ----------
+    cuda : str, optional
+        The rule for the GPU, a CUDA C++ expression or body, e.g. ``"doc[q_idx] ==
+        doc[kv_idx]"``.
+    python : callable, optional
+        The same rule for NumPy inputs: ``python(b, h, q_idx, kv_idx, **arrays)`` on
+        broadcasting int64 index arrays, returning bool.
+    arrays : dict of str -> array, optional
+        As in ``ScoreMod``.
+
+    A call with ``mask_mod=`` first classifies the blocks of the attention matrix as empty,
+    partial or full (``cupyflash.masks.from_mask_mod``, on the GPU for GPU inputs): empty
+    blocks are skipped, and only partial ones evaluate the rule per element.
+    """
+
+    def __init__(self, cuda=None, *, python=None, arrays=None):
+        self.cuda = _check_code("MaskMod cuda", cuda)
+        self.python = _check_callable("MaskMod python", python)
+        if self.cuda is None and self.python is None:
+            raise ValueError("MaskMod needs a rule: cuda= (GPU) and/or python= (NumPy path)")
+        self.arrays = _check_arrays("MaskMod", arrays)
+
+    def __repr__(self):
+        return f"MaskMod(cuda={self.cuda!r}, arrays={sorted(self.arrays)})"
+
+
+def as_score_mod(score_mod):
+    """``score_mod=`` of a call: a ScoreMod, a plain callable (its ``python`` rule), or None."""
+    if score_mod is None or isinstance(score_mod, ScoreMod):
+        return score_mod
+    if callable(score_mod):
+        return ScoreMod(python=score_mod)
+    raise TypeError(f"score_mod must be a cupyflash.ScoreMod or a callable, got "
+                    f"{type(score_mod).__name__}")
+
+
+def as_mask_mod(mask_mod):
+    if mask_mod is None or isinstance(mask_mod, MaskMod):
+        return mask_mod
+    if callable(mask_mod):
+        return MaskMod(python=mask_mod)
+    raise TypeError(f"mask_mod must be a cupyflash.MaskMod or a callable, got "
+                    f"{type(mask_mod).__name__}")
+
+
+# --- the C++ spliced into the kernels' source ------------------------------------------------
+
+def _ctype(a):
+    return CTYPES[_dtype_name(a)]
+
+
+def slots(score_mod, mask_mod):
+    """``[(owner, name, array)]`` in slot order: the score_mod's arrays, then the mask_mod's."""
+    out = [("score_mod", n, a) for n, a in (score_mod.arrays if score_mod else {}).items()]
+    out += [("mask_mod", n, a) for n, a in (mask_mod.arrays if mask_mod else {}).items()]
+    names = [n for _, n, _ in out]
+    if len(set(names)) < len(names):
+        raise ValueError(f"score_mod and mask_mod name their arrays alike ({sorted(names)}): "
+                         f"give each array of a call its own name")
+    if len(out) > MAX_ARRAYS:
+        raise ValueError(f"score_mod and mask_mod use {len(out)} arrays together; at most "
+                         f"{MAX_ARRAYS}")
+    return out
+
+
+def prelude(score_mod, mask_mod):
+    """The ``struct UserMods`` of a call's snippets (cuda/user.cuh), or "" without any."""
+    score = score_mod.cuda if score_mod is not None else None
+    mask = mask_mod.cuda if mask_mod is not None else None
+    if score is None and mask is None:
+        return ""
+    views = {"score_mod": [], "mask_mod": []}
+    for slot, (owner, name, a) in enumerate(slots(score_mod, mask_mod)):
+        views[owner].append(f"const UserArray<{_ctype(a)}, {len(a.shape)}> {name}(u_, {slot}); "
+                            f"(void){name};")
+    grads = []
+    if score is not None:
+        for slot, (owner, name, a) in enumerate(slots(score_mod, mask_mod)):
+            if owner == "score_mod" and name in score_mod.grad_arrays:
+                grads.append(f"const GradArray<{len(a.shape)}> d_{name}(u_, {slot}, accumulate); "
+                             f"(void)d_{name};")
+
+    def function(head, decls, file, code, fallback):
+        if code is None:
+            return f"    {head} {{ {fallback} }}\n"
+        lines = "\n".join("        " + d for d in decls)
+        return (f"    {head} {{\n{lines}\n#line 1 \"{file}\"\n{_body(code)}\n"
+                f"#line 1 \"cupyflash-user-mods\"\n    }}\n")
+
+    sig = "int b, int h, int q_idx, int kv_idx"
+    text = ["struct UserMods {",
+            f"    static constexpr bool Score = {'true' if score is not None else 'false'};",
+            f"    static constexpr bool Mask = {'true' if mask is not None else 'false'};",
+            "    template <typename S>",
+            function(f"static __device__ __forceinline__ S score(const UserParams& u_, S score, {sig})",
+                     views["score_mod"], SCORE_FILE, score, "return score;"),
+            "    template <typename S>",
+            function(f"static __device__ __forceinline__ S grad(const UserParams& u_, S score, S dscore, "
+                     f"{sig}, bool accumulate)", views["score_mod"] + grads, GRAD_FILE,
+                     score_mod.grad if score is not None else None, "return dscore;"),
+            function(f"static __device__ __forceinline__ bool mask(const UserParams& u_, {sig})",
+                     views["mask_mod"], MASK_FILE, mask, "return true;"),
+            "};\n"]
+    return "\n".join(text)
+
+
+_PROBE = """
+extern "C" __global__ void cupyflash_snippet_probe(const UserParams u, double* out) {
+    out[0] = UserMods::score<float>(u, 1.f, 0, 0, 0, 0) + UserMods::score<double>(u, 1.0, 0, 0, 0, 0)
+           + UserMods::grad<float>(u, 1.f, 1.f, 0, 0, 0, 0, true)
+           + UserMods::grad<double>(u, 1.0, 1.0, 0, 0, 0, 0, true)
+           + UserMods::mask(u, 0, 0, 0, 0);
+}
+"""
+
+
+@functools.lru_cache(maxsize=256)
+def check_prelude(text):
+    """Compile the snippets alone through NVRTC (front end only, no GPU needed) and raise
+    SnippetError with NVRTC's messages about them if it rejects them."""
+    from cupy_backends.cuda.libs import nvrtc
+    from . import _compile
+    src = _compile.source("user.cuh", text) + _PROBE
+    prog = nvrtc.createProgram(src, "cupyflash-user-mods", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_compile.NVRTC_OPTIONS) + ["-arch=compute_80"])
+        return True
+    except nvrtc.NVRTCError:
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    raise SnippetError(_snippet_message(log), log)
+
+
+def _snippet_message(log):
+    """NVRTC's errors, and where in the snippets they come from (their own line numbers)."""
+    names = (SCORE_FILE, GRAD_FILE, MASK_FILE)
+    lines = log.splitlines()
+    shown = [line.strip() for line in lines
+             if "error" in line or any(f" of {n}" in line for n in names)]
+    return "a user snippet does not compile (NVRTC):\n" + "\n".join(shown or lines)
