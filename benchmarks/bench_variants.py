@@ -10,8 +10,11 @@
 - FlexAttention (torch.compile(flex_attention)) on the same rules beside ours: plain, softcap,
   ALiBi, a T5-style relative-position bias (a learned table of 2 * 128 - 1 buckets), a document
   mask (8 documents of random lengths, causal inside each) and prefix-LM (a 1024-token
-  prefix seen by every query, then causal). Ours has no built-in for the last three: they wait
-  for user score_mod / mask_mod (rows marked skipped, Flex's measured).
+  prefix seen by every query, then causal); ours runs the last three as user mods
+  (``cupyflash.ScoreMod`` / ``MaskMod``, the block masks built once by ``from_mask_mod``; the
+  relative bias with and without the table's gradient).
+- User mods spelling built-ins: ALiBi as a score_mod, and causal as a mask_mod (not causal
+  calls with its block mask). Target: within 1.05 x the built-in of the same pass.
 - Window: ``window_size=(1024, 0)`` (a sliding window over the past 1024 keys, the causal side
   closed) at ``--window-seqlen`` (batch 1, 16 heads) against dense causal at the same shape.
   Target: time <= 1.3 x the dense causal time x (visible elements of the window / visible
@@ -31,7 +34,8 @@ from cupyflash.bench.cases import cp
 from cupyflash.bench.peers import _TorchRunner, flex
 
 HEADDIM, SOFTCAP, PREFIX, DOCUMENTS, WINDOW = 128, 30.0, 1024, 8, (1024, 0)
-MOD_TARGET, DROPOUT_TARGET, WINDOW_TARGET = 1.10, 1.25, 1.3
+MOD_TARGET, DROPOUT_TARGET, WINDOW_TARGET, USER_TARGET = 1.10, 1.25, 1.3, 1.05
+BUCKETS = 127   # relative bias: distances clamped to [-127, 127]
 DROPOUT_P = 0.1
 
 
@@ -47,10 +51,11 @@ def document_ids(seqlen, seed=0):
 
 
 class OursWith(bench.Ours):
-    """Ours with the variant keywords of one rule."""
+    """Ours with the variant keywords of one rule (a user mask_mod's block mask as the mask)."""
 
     def __init__(self, case, sets32, rule, **keywords):
         super().__init__(case, sets32)
+        self.mask = keywords.pop("block_mask", self.mask)
         self.rule, self.keywords = rule, keywords
 
     def forward(self, s):
@@ -113,7 +118,9 @@ def visible_fraction(seqlen, window):
     return float(np.maximum(hi - lo + 1, 0).sum()) / seqlen ** 2
 
 
-def ours_keywords(rule, nheads):
+def ours_keywords(rule, nheads, seqlen=None):
+    if rule in USER_RULES:
+        return user_keywords(rule, nheads, seqlen)
     if rule == "softcap":
         return dict(softcap=SOFTCAP)
     if rule == "alibi":
@@ -123,6 +130,33 @@ def ours_keywords(rule, nheads):
     if rule == "dropout":
         return dict(dropout_p=DROPOUT_P, seed=0)
     return {}
+
+
+USER_RULES = ("user_alibi", "user_causal", "relative_bias", "relative_bias_dtable", "document",
+              "prefix_lm")
+
+
+def user_keywords(rule, nheads, seqlen):
+    """Ours' keywords for the rules written as user mods (the same rules as FlexWith's)."""
+    if rule == "user_alibi":
+        slopes = cp.asarray(alibi_slopes(nheads), cp.float32)
+        return dict(score_mod=cf.ScoreMod(
+            "score - slopes[h] * fabsf((float)(q_idx - kv_idx))", grad="dscore",
+            arrays={"slopes": slopes}))
+    if rule.startswith("relative_bias"):
+        table = cp.random.standard_normal((2 * BUCKETS + 1, nheads), dtype=cp.float32)
+        at = f"table(min(max(q_idx - kv_idx, -{BUCKETS}), {BUCKETS}) + {BUCKETS}, h)"
+        dtable = rule.endswith("dtable")
+        grad = f"d_table.add(table.offset({at[6:-1]}), dscore);\nreturn dscore;" if dtable \
+            else "dscore"
+        return dict(score_mod=cf.ScoreMod(f"score + {at}", grad=grad, arrays={"table": table},
+                                          grad_arrays=("table",) if dtable else ()))
+    rules = {"user_causal": "kv_idx <= q_idx",
+             "document": "doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx",
+             "prefix_lm": f"kv_idx <= q_idx || kv_idx < {PREFIX}"}
+    arrays = {"doc": cp.asarray(document_ids(seqlen), cp.int32)} if rule == "document" else {}
+    mask = cf.MaskMod(rules[rule], arrays=arrays)
+    return dict(block_mask=cf.masks.from_mask_mod(mask, seqlen, seqlen))
 
 
 def timed(runner, passes, reps, label, rows):
@@ -166,22 +200,21 @@ def main():
         for rule in ("plain", "softcap", "alibi", "softcap_alibi", "dropout") if ours else ():
             timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads)), passes,
                   args.reps, rule, rows)
+        for rule in ("user_alibi", "relative_bias", "relative_bias_dtable") if ours else ():
+            timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads, case.seqlen)),
+                  passes, args.reps, rule, rows)
         for rule in ("plain", "softcap", "alibi", "relative_bias") if use_flex else ():
             timed_flex(case, sets, rule, passes, args.reps, rows)
-        if ours:
-            rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
-                "no built-in relative bias: needs user score_mods")), rule="relative_bias")
-                for p in passes]
         del sets
         bench.release_memory()
 
     # Mask rules (the call not causal: the rule says what is seen).
     case = bench.Case.dense(args.seqlen, HEADDIM, False)
     sets = bench.input_sets(case)
+    for rule in ("user_causal", "document", "prefix_lm") if ours else ():
+        timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads, case.seqlen)),
+              passes, args.reps, rule, rows)
     for rule in ("document", "prefix_lm") if use_flex else ():
-        rows += [dict(bench.failed_row(case, "cupyflash", p, bench.Unavailable(
-            "an element mask BlockMask cannot express: needs user mask_mods")), rule=rule)
-            for p in passes]
         timed_flex(case, sets, rule, passes, args.reps, rows)
     del sets
     bench.release_memory()
@@ -226,6 +259,10 @@ def target_ratios(rows, share):
             out.append(dict(what=f"{rule} causal={causal} {pass_} / plain",
                             target=DROPOUT_TARGET if rule == "dropout" else MOD_TARGET,
                             ratio=t / ms[impl, "plain", causal, pass_]))
+        builtin = {"user_alibi": ("alibi", causal), "user_causal": ("plain", True)}.get(rule)
+        if builtin and (impl, *builtin, pass_) in ms:
+            out.append(dict(what=f"{rule} causal={causal} {pass_} / built-in {builtin[0]}",
+                            target=USER_TARGET, ratio=t / ms[(impl, *builtin, pass_)]))
         if rule.startswith("window") and (impl, "causal", causal, pass_) in ms:
             out.append(dict(what=f"{rule} {pass_} / (share x causal)", target=WINDOW_TARGET,
                             ratio=t / (share * ms[impl, "causal", causal, pass_])))

@@ -59,6 +59,8 @@ class Case(gpu_checks.Case):
     softcap: float = 0.0
     alibi: bool = False      # ALiBi slopes of shape (batch, nheads)
     dropout: float = 0.0     # dropout_p (seed 7, offset 1)
+    user: bool = False       # user mods: a relative-position bias score_mod (with the table's
+                             # gradient) and a document mask_mod
 
     @property
     def id(self):
@@ -66,7 +68,34 @@ class Case(gpu_checks.Case):
                 + (f"-w{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "")
                 + (f"-cap{self.softcap:g}" if self.softcap else "")
                 + ("-alibi" if self.alibi else "")
-                + (f"-drop{self.dropout:g}" if self.dropout else ""))
+                + (f"-drop{self.dropout:g}" if self.dropout else "")
+                + ("-usermods" if self.user else ""))
+
+    def user_tables(self):
+        """The user mods' arrays (NumPy): bias (nheads, sq + sk) and document ids (sk,)."""
+        import numpy as np
+        bias = np.sin(np.arange(self.nheads * (self.sq + self.sk), dtype=np.float32)
+                      ).reshape(self.nheads, self.sq + self.sk)
+        doc = (np.arange(self.sk, dtype=np.int32) * 3) // self.sk
+        return bias, doc
+
+    def user_mods(self, xp):
+        import cupyflash as cf
+        bias, doc = (xp.asarray(a) for a in self.user_tables())
+        at = f"bias.offset(h, kv_idx - q_idx + {self.sq})"
+        return dict(score_mod=cf.ScoreMod(f"score + bias[{at}]",
+                                          grad=f"d_bias.add({at}, dscore);\nreturn dscore;",
+                                          arrays={"bias": bias}, grad_arrays=("bias",)),
+                    mask_mod=cf.MaskMod(f"doc[min(q_idx + {self.sk - self.sq}, {self.sk - 1})] "
+                                        f"== doc[kv_idx]", arrays={"doc": doc}))
+
+    def user_reference(self):
+        """The dense bias (nheads, sq, sk) and element mask (sq, sk) of the user mods."""
+        import numpy as np
+        bias, doc = self.user_tables()
+        i, j = np.arange(self.sq)[:, None], np.arange(self.sk)[None, :]
+        return (bias[:, j - i + self.sq].astype(np.float64),
+                doc[np.minimum(i + self.sk - self.sq, self.sk - 1)] == doc[j])
 
     def keywords(self, xp):
         """The variant keywords of flash_attention, the slopes as ``xp`` arrays."""
@@ -128,6 +157,10 @@ CASES = (
     Case("bf16", 200, 130, 64, False, block=(64, 64), softcap=3.0, alibi=True),
     Case("fp32", 130, 97, 72, True, window=(30, 10), softcap=4.0, alibi=True),
     Case("fp64", 97, 130, 40, False, softcap=2.0, alibi=True),
+    # User mods (score_mod with a table gradient, mask_mod classified on the GPU).
+    Case("bf16", 300, 257, 128, True, nheads=4, nheads_k=2, user=True),
+    Case("fp16", 130, 200, 64, False, batch=2, user=True),
+    Case("fp32", 130, 97, 64, True, user=True),
     # Dropout (dense, causal with GQA, window, block mask, plain kernels).
     Case("bf16", 300, 257, 128, True, nheads=4, nheads_k=2, dropout=0.2),
     Case("fp16", 257, 300, 64, False, window=(40, 30), dropout=0.5),
@@ -202,6 +235,8 @@ def _run_gpu(case, host, block_mask):
     q, k, v, dout = (cp.asarray(x) for x in host)
     scale = case.d ** -0.5
     variant = case.keywords(cp)
+    if case.user:
+        variant.update(case.user_mods(cp))
     out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
                                   block_mask=block_mask, return_lse=True, **variant)
     grads = {}
@@ -209,7 +244,7 @@ def _run_gpu(case, host, block_mask):
         g = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
                                         softmax_scale=scale, block_mask=block_mask,
                                         deterministic=mode == "deterministic", **variant)
-        grads[mode] = tuple(cp.asnumpy(x) for x in g)
+        grads[mode] = tuple(cp.asnumpy(x) for x in g[:3])
     return cp.asnumpy(out), cp.asnumpy(lse), grads
 
 
@@ -232,6 +267,8 @@ def _check(case, host, result, block_mask):
     scale = case.d ** -0.5
     mask = None if block_mask is None else block_mask.to_dense()
     variant = case.reference_keywords()
+    if case.user:
+        variant["bias"], mask = case.user_reference()
     ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask, **variant)
     refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask, **variant)
     magnitude = max(float(np.abs(r).max()) for r in refs)

@@ -50,11 +50,12 @@ struct DropoutParams {
 
 // The read-only arrays of a call's user mods (score_mod, mask_mod; user.cuh), in the order the
 // mods declare them, C-contiguous: pointers and shapes (unused dimensions 1). `grads` are the
-// float32 gradient buffers of the arrays a score_mod differentiates (null for the others).
+// gradient buffers of the arrays a score_mod differentiates (null for the others): float64
+// for float64 inputs, else float32.
 constexpr int USER_ARRAYS = 8, USER_NDIM = 4;
 struct UserParams {
     const void* arrays[USER_ARRAYS];
-    float* grads[USER_ARRAYS];
+    void* grads[USER_ARRAYS];
     int shape[USER_ARRAYS][USER_NDIM];
 };
 

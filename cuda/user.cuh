@@ -39,19 +39,23 @@ struct UserArray : UserShape<N> {
     __device__ __forceinline__ T operator()(I... idx) const { return data[this->offset(idx...)]; }
 };
 
-// The gradient of an array (float32, its shape): d.add(i, v) adds v to flat element i. Only
-// one pass per element adds (the dK/dV pass; `on` is false in the dQ pass), and zeros, the
-// masked elements among them, add nothing.
+// The gradient of an array (its shape; float64 in the float64 kernels, float32 in the others):
+// d.add(i, v) adds v to flat element i. Only one pass per element adds (the dK/dV pass; `on`
+// is false in the dQ pass), and zeros, the masked elements among them, add nothing.
 template <int N>
 struct GradArray : UserShape<N> {
-    float* data;
+    void* data;
     bool on;
 
     __device__ __forceinline__ GradArray(const UserParams& u, int slot, bool accumulate)
         : UserShape<N>{u.shape[slot]}, data(u.grads[slot]), on(accumulate) {}
     template <typename S>
     __device__ __forceinline__ void add(index_t i, S v) const {
-        if (on && v != S(0)) atomicAdd(data + i, static_cast<float>(v));
+        if (!on || v == S(0)) return;
+        if constexpr (sizeof(S) == 8)
+            atomicAdd(static_cast<double*>(data) + i, static_cast<double>(v));
+        else
+            atomicAdd(static_cast<float*>(data) + i, static_cast<float>(v));
     }
 };
 

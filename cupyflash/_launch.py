@@ -147,7 +147,7 @@ def _launch(filename, name, grid, threads, smem, params, user_mods=""):
 
 def _fill_user(rec, arrays, grads=None):
     """UserParams: the mods' arrays (CuPy, C-contiguous, slot order) and the gradient buffers
-    (float32, by slot) of those a score_mod differentiates."""
+    (by slot) of those a score_mod differentiates."""
     for slot, a in enumerate(arrays or ()):
         rec["arrays"][slot] = a.data.ptr
         rec["shape"][slot] = tuple(a.shape) + (1,) * (USER_NDIM - a.ndim)

@@ -174,7 +174,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
         over the query heads of each group.
     grads : dict, only with a score_mod that names ``grad_arrays``
         The gradients of those arrays by name, shaped like them (float32 on the GPU, float64
-        on the NumPy path), as a fourth result.
+        for float64 inputs and on the NumPy path), as a fourth result.
     """
     causal = _validate.check_flag("causal", causal)
     deterministic = _validate.check_flag("deterministic", deterministic)
@@ -321,7 +321,8 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
     use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
     dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
     wanted = score_mod.grad_arrays if score_mod is not None else ()
-    grads = {slot: cp.zeros(a.shape, cp.float32) for slot, (name, a) in enumerate(user)
+    gdtype = cp.float64 if q.dtype == cp.float64 else cp.float32   # the kernels' atomics
+    grads = {slot: cp.zeros(a.shape, gdtype) for slot, (name, a) in enumerate(user)
              if name in wanted}
     _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
                      block_mask, alibi_slopes, (seed, offset), [a for _, a in user], grads)

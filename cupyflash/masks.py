@@ -608,9 +608,11 @@ def _classify_gpu(mask_mod, seqlen_q, seqlen_k, block_q, block_k, heads, batch):
         raise ValueError("mask_mod has no CUDA rule (cuda=) to classify its blocks on the GPU")
     text = mods.prelude(None, mask_mod)
     mods.check_prelude(text)
-    names = [f"mask_mod array {n!r}" for n in mask_mod.arrays]
-    arrays, _, _ = _arrays.as_backend(tuple(mask_mod.arrays.values()), names)
-    arrays = [cupy.ascontiguousarray(a) for a in arrays]
+    arrays = []
+    if mask_mod.arrays:
+        names = [f"mask_mod array {n!r}" for n in mask_mod.arrays]
+        arrays, _, _ = _arrays.as_backend(tuple(mask_mod.arrays.values()), names)
+        arrays = [cupy.ascontiguousarray(a) for a in arrays]
     return _launch.classify_blocks(text, arrays, seqlen_q, seqlen_k, block_q, block_k, heads,
                                    batch).get()
 

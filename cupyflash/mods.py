@@ -126,7 +126,7 @@ class ScoreMod:
         1 to 4 dimensions, bool, integer or float dtypes. At most 8 per call with a mask_mod's.
     grad_arrays : sequence of str
         Names of float arrays whose gradient the backward returns (float32 on the GPU, float64
-        on the NumPy path), as a dict after (dq, dk, dv).
+        for float64 inputs and on the NumPy path), as a dict after (dq, dk, dv).
     """
 
     def __init__(self, cuda=None, *, grad=None, python=None, python_grad=None, arrays=None,
