@@ -86,8 +86,8 @@ class Case(gpu_checks.Case):
         return dict(score_mod=cf.ScoreMod(f"score + bias[{at}]",
                                           grad=f"d_bias.add({at}, dscore);\nreturn dscore;",
                                           arrays={"bias": bias}, grad_arrays=("bias",)),
-                    mask_mod=cf.MaskMod(f"doc[min(q_idx + {self.sk - self.sq}, {self.sk - 1})] "
-                                        f"== doc[kv_idx]", arrays={"doc": doc}))
+                    mask_mod=cf.MaskMod(f"doc[max(min(q_idx + {self.sk - self.sq}, {self.sk - 1}), 0)]"
+                                        f" == doc[kv_idx]", arrays={"doc": doc}))
 
     def user_reference(self):
         """The dense bias (nheads, sq, sk) and element mask (sq, sk) of the user mods."""
@@ -95,7 +95,7 @@ class Case(gpu_checks.Case):
         bias, doc = self.user_tables()
         i, j = np.arange(self.sq)[:, None], np.arange(self.sk)[None, :]
         return (bias[:, j - i + self.sq].astype(np.float64),
-                doc[np.minimum(i + self.sk - self.sq, self.sk - 1)] == doc[j])
+                doc[np.clip(i + self.sk - self.sq, 0, self.sk - 1)] == doc[j])
 
     def keywords(self, xp):
         """The variant keywords of flash_attention, the slopes as ``xp`` arrays."""
