@@ -276,6 +276,11 @@ def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, 
     mask_mod = None
     if block_mask is not None:
         _validate.check_block_mask(block_mask, q, k)
+        if block_mask.mask_batch not in (None, q.shape[0]):
+            # Its blocks (and which are full) are those of the entries it was classified over.
+            raise ValueError(f"block_mask: built by from_mask_mod for batch="
+                             f"{block_mask.mask_batch}, but q has batch {q.shape[0]}; build it "
+                             f"with this batch (or batch=None for a rule that ignores b)")
         causal = causal or block_mask.causal
         mask_mod = block_mask.mask_mod
     if score_mod is not None and (softcap or alibi_slopes is not None):

@@ -142,12 +142,15 @@ def _unrounded(x):
 
 
 def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, rounded=_unrounded):
+            alibi_slopes=None, bias=None, rounded=_unrounded):
     """(b, h, sq, sk) scores, k already repeated to h heads, in FlashAttention 2's order:
     ``s = q k^T * scale``; with ``softcap``, ``softcap * tanh(s / softcap)``; with
-    ``alibi_slopes`` ((h,) or (b, h)), plus ``-slope * |i + sk - sq - j|``; then -inf where
-    masked: the band of ``causal`` and ``window_size`` (``visible``) and ``mask`` (bool (h or
-    1, sq, sk), True where visible). Each stage's result goes through ``rounded``.
+    ``alibi_slopes`` ((h,) or (b, h)), plus ``-slope * |i + sk - sq - j|``; with ``bias``
+    (an additive score_mod spelled out densely, broadcasting to (b, h, sq, sk)), plus
+    ``bias``; then -inf where masked: the band of ``causal`` and ``window_size``
+    (``visible``) and ``mask`` (bool (h or 1, sq, sk), or (b or 1, h or 1, sq, sk) for a
+    mask that varies over the batch; True where visible). Each stage's result goes through
+    ``rounded``.
 
     Returns ``(s, dcap)``: ``dcap = 1 - tanh(s / softcap)**2``, the derivative of the cap
     (None without softcap)."""
@@ -164,10 +167,13 @@ def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
         slopes = xp.asarray(alibi_slopes).reshape(-1, h)[:, :, None, None]     # (b or 1, h)
         distance = xp.abs(xp.arange(sq)[:, None] + (sk - sq) - xp.arange(sk)[None, :])
         s = rounded(s - slopes * distance)
+    if bias is not None:
+        s = rounded(s + xp.asarray(bias).astype(s.dtype))
     if causal or tuple(window_size) != (-1, -1):
         s = xp.where(visible(xp, sq, sk, causal, window_size), s, -xp.inf)
     if mask is not None:
-        s = xp.where(xp.asarray(mask, dtype=bool)[None], s, -xp.inf)
+        mask = xp.asarray(mask, dtype=bool)
+        s = xp.where(mask if mask.ndim == 4 else mask[None], s, -xp.inf)
     return s, dcap
 
 
@@ -189,12 +195,15 @@ def attention_ref(q, k, v, scale, causal, mask=None, dropout=None, **variant):
     return out, lse
 
 
-def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None, **variant):
+def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None,
+                           return_ds=False, **variant):
     """Gradients of ``attention_ref`` in float64, by the explicit formulas on the full matrix:
     dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), times the cap's derivative
-    with softcap (the ALiBi bias is a constant), dQ = dS K * scale, dK = dS^T Q * scale; dk
-    and dv summed over the query heads of each group. With ``dropout`` (the multiplier Z):
-    dV = (P Z)^T dO, and dP = (dO V^T) Z in dS (whose rowsum(P dP) is then rowsum(dO * O))."""
+    with softcap (the ALiBi bias and an additive ``bias`` are constants), dQ = dS K * scale,
+    dK = dS^T Q * scale; dk and dv summed over the query heads of each group. With
+    ``dropout`` (the multiplier Z): dV = (P Z)^T dO, and dP = (dO V^T) Z in dS (whose
+    rowsum(P dP) is then rowsum(dO * O)). ``return_ds``: also dS, (b, h, sq, sk), d loss / d
+    the final scores, of which the gradient of an additive bias is a sum."""
     xp = get_xp(dout, q, k, v)
     dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
     h, hk = q.shape[2], k.shape[2]
@@ -212,6 +221,8 @@ def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None
         ds = ds * dcap
     dq = _einsum("bhij,bjhd->bihd", ds, k_h) * scale
     dk = _einsum("bhij,bihd->bjhd", ds, q) * scale
+    if return_ds:
+        return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), ds
     return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
 
 
@@ -238,7 +249,7 @@ def _float64(variant, xp):
 
 def _naive_probs(q, k, scale, causal, dtype, mask=None, **variant):
     """Rounded operands and P = round(softmax(S)), S the scores with each stage (q k^T *
-    scale, softcap, ALiBi bias) computed in float32 and rounded to ``dtype``; also the
+    scale, softcap, ALiBi bias, ``bias``) computed in float32 and rounded to ``dtype``; also the
     rounded derivative of the cap (None without softcap)."""
     xp = get_xp(q, k)
     q, k = round_to(q, dtype), round_to(k, dtype)
@@ -262,11 +273,11 @@ def attention_naive(q, k, v, scale, causal, dtype, mask=None, dropout=None, **va
 
 
 def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None, dropout=None,
-                             **variant):
+                             return_ds=False, **variant):
     """Gradients as a naive ``dtype`` implementation computes them: P recomputed as in
     ``attention_naive``, then dV, dP (dropped), dS (through the cap), dQ and dK each
     computed in float32 from rounded operands and rounded to ``dtype``. Returns (dq, dk,
-    dv)."""
+    dv), and the rounded dS with ``return_ds``."""
     hk = k.shape[2]
     q, k_h, p, _, dcap = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
@@ -281,7 +292,7 @@ def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None, dro
         ds = round_to(ds * dcap, dtype)
     dq = round_to(_einsum("bhij,bjhd->bihd", ds, k_h) * scale, dtype)
     dk = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", ds, q) * scale, hk), dtype)
-    return dq, dk, dv
+    return (dq, dk, dv, ds) if return_ds else (dq, dk, dv)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -742,8 +742,10 @@ def _readme_blocks():
     return {name: code for name, code in pattern.findall(text)}
 
 
-# The README's examples of the variant keywords run on NumPy arrays, like its NumPy example.
-HOST_EXAMPLES = ("numpy", "window_size", "softcap", "alibi_slopes", "dropout")
+# The README's examples of the variant keywords and of the user mods run on NumPy arrays, like
+# its NumPy example; the user mods' CuPy example on the GPU.
+HOST_EXAMPLES = ("numpy", "window_size", "softcap", "alibi_slopes", "dropout", "user_mods")
+GPU_EXAMPLES = ("cupy", "jax", "torch", "user_mods_cupy")
 
 
 def _needs(framework):
@@ -757,7 +759,7 @@ def _needs(framework):
 
 
 def test_readme_has_one_tested_example_per_framework_and_variant():
-    assert sorted(_readme_blocks()) == sorted(("cupy", "jax", "torch") + HOST_EXAMPLES)
+    assert sorted(_readme_blocks()) == sorted(GPU_EXAMPLES + HOST_EXAMPLES)
 
 
 @pytest.mark.parametrize("framework", [
@@ -765,6 +767,7 @@ def test_readme_has_one_tested_example_per_framework_and_variant():
     pytest.param("cupy", marks=pytest.mark.gpu),
     pytest.param("torch", marks=pytest.mark.gpu),
     pytest.param("jax", marks=pytest.mark.gpu),
+    pytest.param("user_mods_cupy", marks=pytest.mark.gpu),
 ])
 def test_readme_example_runs(framework):
     _needs(framework)
