@@ -42,22 +42,49 @@ struct UserArray : UserShape<N> {
 // The gradient of an array (its shape; float64 in the float64 kernels, float32 in the others):
 // d.add(i, v) adds v to flat element i. Only one pass per element adds (the dK/dV pass; `on`
 // is false in the dQ pass), and zeros, the masked elements among them, add nothing.
+// A float32 gradient small enough is added up per thread block in shared memory first
+// (UserParams::grad_smem, stage_user_grads): the elements of a diagonal all add to one entry of
+// a relative-position table, and global atomics on a few addresses serialize.
 template <int N>
 struct GradArray : UserShape<N> {
     void* data;
+    float* staged;
     bool on;
 
     __device__ __forceinline__ GradArray(const UserParams& u, int slot, bool accumulate)
-        : UserShape<N>{u.shape[slot]}, data(u.grads[slot]), on(accumulate) {}
+        : UserShape<N>{u.shape[slot]}, data(u.grads[slot]), staged(nullptr), on(accumulate) {
+        extern __shared__ __align__(16) unsigned char user_smem[];
+        if (u.grad_smem[slot] > 0) staged = reinterpret_cast<float*>(user_smem + u.grad_smem[slot]);
+    }
     template <typename S>
     __device__ __forceinline__ void add(index_t i, S v) const {
         if (!on || v == S(0)) return;
         if constexpr (sizeof(S) == 8)
             atomicAdd(static_cast<double*>(data) + i, static_cast<double>(v));
+        else if (staged)
+            atomicAdd(staged + i, static_cast<float>(v));
         else
             atomicAdd(static_cast<float*>(data) + i, static_cast<float>(v));
     }
 };
+
+// The staged gradients of a thread block: zeroed (Flush false) before its first barrier, added
+// to memory (Flush true) after its last step.
+template <bool Flush>
+__device__ __forceinline__ void stage_user_grads(const UserParams& u) {
+    extern __shared__ __align__(16) unsigned char user_smem[];
+    for (int slot = 0; slot < USER_ARRAYS; ++slot) {
+        if (u.grad_smem[slot] <= 0) continue;
+        float* staged = reinterpret_cast<float*>(user_smem + u.grad_smem[slot]);
+        const index_t n = static_cast<index_t>(u.shape[slot][0]) * u.shape[slot][1] * u.shape[slot][2] * u.shape[slot][3];
+        for (index_t i = threadIdx.x; i < n; i += blockDim.x) {
+            if (!Flush)
+                staged[i] = 0.f;
+            else if (staged[i] != 0.f)
+                atomicAdd(static_cast<float*>(u.grads[slot]) + i, staged[i]);
+        }
+    }
+}
 
 // The mods of a call without user snippets: scores and masks as they are.
 struct NoMods {

@@ -158,6 +158,15 @@ _TABLES = {"fwd": _FWD, "bwd": _BWD, "dq": _DQ}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
+def tiles(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK, deterministic=False):
+    """Every tile of the table that fits, largest first, whatever the features."""
+    for t in _TABLES[pass_][hd]:
+        if deterministic and getattr(t, "atomic_only", False):
+            continue
+        if t.fits(hd, smem_limit) and t.br <= max_q and t.bc <= max_k:
+            yield t
+
+
 def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK, deterministic=False,
          extras=()):
     """The tile for ``pass_`` ("fwd", "bwd" or "dq") at head-dim bucket ``hd``. A block-sparse
@@ -165,12 +174,8 @@ def tile(pass_, hd, smem_limit, max_q=MAX_BLOCK, max_k=MAX_BLOCK, deterministic=
     lies inside one mask block; ``deterministic`` picks the dK/dV tile of the pass without dQ
     atomics; ``extras`` (CallSpec.extras) skips tiles whose kernels with those features
     spill."""
-    for t in _TABLES[pass_][hd]:
-        if deterministic and getattr(t, "atomic_only", False):
-            continue
-        if t.spills_with.intersection(extras):
-            continue
-        if t.fits(hd, smem_limit) and t.br <= max_q and t.bc <= max_k:
+    for t in tiles(pass_, hd, smem_limit, max_q, max_k, deterministic):
+        if not t.spills_with.intersection(extras):
             return t
     raise RuntimeError(f"no {pass_} tile for head dim {hd} fits {smem_limit} bytes of shared "
                        f"memory and {max_q} x {max_k} mask blocks")

@@ -25,7 +25,8 @@ SCORE_PARAMS = np.dtype([("softcap", np.float64), ("softcap_in", np.float32),
 # cuda/params.cuh's UserParams: arrays per call and dimensions per array.
 USER_ARRAYS, USER_NDIM = 8, 4
 USER_PARAMS = np.dtype([("arrays", np.uint64, (USER_ARRAYS,)), ("grads", np.uint64, (USER_ARRAYS,)),
-                        ("shape", np.int32, (USER_ARRAYS, USER_NDIM))], align=True)
+                        ("shape", np.int32, (USER_ARRAYS, USER_NDIM)),
+                        ("grad_smem", np.int32, (USER_ARRAYS,))], align=True)
 DROPOUT_PARAMS = np.dtype([("seed", np.uint64), ("offset", np.uint32), ("threshold", np.uint32),
                            ("scale", np.float64)], align=True)
 _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("group", np.int32),
@@ -137,6 +138,43 @@ def _kernel(source, name, device_id, smem):
     return kernel
 
 
+def _pass_tile(pass_, spec, smem_limit, block_mask, name_of, deterministic=False):
+    """The tile of a pass: the table's for ``spec`` (``_config.tile``), or, for kernels with
+    user code, whose registers depend on the snippet, the largest tile whose kernel compiles
+    with no local memory (``name_of(tile)`` names it in ``cuda/<file>``); the table's "user"
+    tile when every larger one spills."""
+    limits = _tile_limits(block_mask)
+    safe = _config.tile(pass_, spec.headdim, smem_limit, *limits, deterministic=deterministic,
+                        extras=spec.extras)
+    if not spec.user_mods:
+        return safe
+    import cupy
+    return _user_tile(pass_, spec, smem_limit, limits, deterministic, name_of,
+                      cupy.cuda.Device().id, safe)
+
+
+_USER_TILES = {}
+
+
+def _user_tile(pass_, spec, smem_limit, limits, deterministic, name_of, device_id, safe):
+    key = (pass_, spec, smem_limit, limits, deterministic, device_id)
+    if key not in _USER_TILES:
+        others = tuple(e for e in spec.extras if e != "user")
+        chosen = safe
+        for t in _config.tiles(pass_, spec.headdim, smem_limit, *limits, deterministic):
+            if t == safe:
+                break
+            if t.spills_with.intersection(others):
+                continue
+            filename, name, smem = name_of(t)
+            kernel = _kernel(_compile.source(filename, spec.user_mods), name, device_id, smem)
+            if kernel.attributes["local_size_bytes"] == 0:
+                chosen = t
+                break
+        _USER_TILES[key] = chosen
+    return _USER_TILES[key]
+
+
 def _launch(filename, name, grid, threads, smem, params, user_mods=""):
     """Launch template instantiation ``name`` of ``cuda/<filename>``, with the call's user
     mods (``mods.prelude``) spliced into its source."""
@@ -153,6 +191,20 @@ def _fill_user(rec, arrays, grads=None):
         rec["shape"][slot] = tuple(a.shape) + (1,) * (USER_NDIM - a.ndim)
     for slot, g in (grads or {}).items():
         rec["grads"][slot] = g.data.ptr
+
+
+def _stage_grads(rec, grads, base, smem_limit):
+    """Where the dK/dV kernel adds up float32 gradients in shared memory after its own
+    ``base`` bytes (cuda/user.cuh GradArray), when all of them fit; the bytes that takes."""
+    sizes = {slot: _config.cdiv(g.size * 4, 16) * 16 for slot, g in (grads or {}).items()
+             if g.dtype == np.float32}
+    if not sizes or base + sum(sizes.values()) > smem_limit:
+        return 0
+    offset = base
+    for slot, size in sizes.items():
+        rec["grad_smem"][slot] = offset
+        offset += size
+    return offset - base
 
 
 CLASSIFY_THREADS = 256
@@ -279,15 +331,17 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
     b, sq, h, d = q.shape
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
     if spec.dtype in TENSOR_CORE:
-        t = _config.tile("fwd", hd, _smem_limit(), *_tile_limits(block_mask),
-                         extras=spec.extras)
+        def name_of(t):
+            return ("fwd.cu", template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps,
+                                            t.stages_for(spec.masked_band), variant),
+                    t.smem_bytes(hd, spec.masked_band))
+        t = _pass_tile("fwd", spec, _smem_limit(), block_mask, name_of)
         if block_mask is not None:
             _fill_lists(p, block_mask, t.br, t.bc, spec.causal, kv=True, q=False)
         _check_lists(p, "kv_blocks", t.br, t.bc)
-        stages = t.stages_for(spec.masked_band)
-        name = template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, stages, variant)
+        _, name, smem = name_of(t)
         _launch("fwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, spec.causal),
-                32 * t.warps, t.smem_bytes(hd, spec.masked_band), p[()], spec.user_mods)
+                32 * t.warps, smem, p[()], spec.user_mods)
     else:
         if block_mask is not None:
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, spec.causal,
@@ -323,8 +377,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
             32 * _config.GENERIC_WARPS, 0, p[()])
     if spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
-        t = _config.tile("bwd", hd, limit, *_tile_limits(block_mask),
-                         deterministic=dq_accum is None, extras=spec.extras)
+        def name_of(t):
+            return ("bwd.cu", template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br,
+                                            t.warps, t.km, t.stages, variant,
+                                            dq_accum is not None), t.smem_bytes(hd))
+        t = _pass_tile("bwd", spec, limit, block_mask, name_of, deterministic=dq_accum is None)
         if dq_accum is not None:
             # The dK/dV kernel adds whole tiles of t.br rows x the head-dim bucket, unchecked.
             rows, cols = dq_accum.shape[2:]
@@ -335,18 +392,22 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         if block_mask is not None:
             _fill_lists(p, block_mask, t.br, t.bc, causal, kv=False, q=True)
         _check_lists(p, "q_blocks", t.bc, t.br)
-        name = template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
-                             variant, dq_accum is not None)
+        _, name, smem = name_of(t)
+        smem += _stage_grads(p["user"], user_grads, smem, limit)
         _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sk, t.bc), hk, b, causal), 32 * t.warps,
-                t.smem_bytes(hd), p[()], spec.user_mods)
+                smem, p[()], spec.user_mods)
+        p["user"]["grad_smem"] = 0
         if dq_accum is None:
-            t = _config.tile("dq", hd, limit, *_tile_limits(block_mask), extras=spec.extras)
+            def name_of(t):
+                return ("bwd.cu", template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc,
+                                                t.warps, variant), t.smem_bytes(hd))
+            t = _pass_tile("dq", spec, limit, block_mask, name_of)
             if block_mask is not None:
                 _fill_lists(p, block_mask, t.br, t.bc, causal, kv=True, q=False)
             _check_lists(p, "kv_blocks", t.br, t.bc)
-            name = template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, variant)
+            _, name, smem = name_of(t)
             _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, causal), 32 * t.warps,
-                    t.smem_bytes(hd), p[()], spec.user_mods)
+                    smem, p[()], spec.user_mods)
         else:
             _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), (_config.cdiv(sq, 16), h, b),
                     DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])

@@ -103,7 +103,7 @@ def test_compiles_without_local_memory(ptxas_stats, arch, filename):
 
 
 def test_a_stack_frame_is_local_memory(monkeypatch):
-    monkeypatch.setattr(_compile, "source", lambda filename: STACK_PROBE)
+    monkeypatch.setattr(_compile, "source", lambda filename, user_mods="": STACK_PROBE)
     names = ["stack_kernel", "callee_stack_kernel", "register_kernel"]
     stats = nvrtc_compile("probe.cu", names, "sm_80")
     assert set(stats) == set(names)
