@@ -59,12 +59,27 @@ struct GradArray : UserShape<N> {
     template <typename S>
     __device__ __forceinline__ void add(index_t i, S v) const {
         if (!on || v == S(0)) return;
-        if constexpr (sizeof(S) == 8)
+        if constexpr (sizeof(S) == 8) {
             atomicAdd(static_cast<double*>(data) + i, static_cast<double>(v));
-        else if (staged)
-            atomicAdd(staged + i, static_cast<float>(v));
-        else
-            atomicAdd(static_cast<float*>(data) + i, static_cast<float>(v));
+        } else {
+            float* target = (staged ? staged : static_cast<float*>(data)) + i;
+            // Lanes adding to one element add once, their sum: the lanes that hold one
+            // diagonal of a fragment hit one entry of a relative-position table.
+            const unsigned active = __activemask();
+            const unsigned peers = __match_any_sync(active, static_cast<unsigned long long>(i));
+            const int lane = threadIdx.x % 32;
+            float total = 0.f;
+            unsigned rest = peers;
+            while (__any_sync(active, rest != 0)) {
+                const int src = rest ? __ffs(rest) - 1 : lane;
+                const float x = __shfl_sync(active, static_cast<float>(v), src);
+                if (rest) {
+                    total += x;
+                    rest &= rest - 1;
+                }
+            }
+            if (lane == __ffs(peers) - 1) atomicAdd(target, total);
+        }
     }
 };
 

@@ -35,7 +35,7 @@ __all__ = ["flash_attention"]
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None, *,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                    seed=None, offset=0):
+                    seed=None, offset=0, score_mod=None, mask_mod=None):
     """``cupyflash.flash_attention`` for JAX arrays, differentiable with ``jax.grad``.
 
     Parameters
@@ -44,10 +44,11 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None, 
     k, v : jax.Array, (batch, seqlen_k, nheads_k, headdim)
         float16, bfloat16, float32 (or float64 with ``jax_enable_x64``), on one GPU (or the
         CPU, where the NumPy path runs). Concrete arrays only: not under ``jax.jit``.
-    causal, softmax_scale, block_mask, window_size, softcap, alibi_slopes, dropout_p, seed, offset
+    causal, softmax_scale, block_mask, window_size, softcap, alibi_slopes, dropout_p, seed, offset, score_mod, mask_mod
         As in ``cupyflash.flash_attention``; fixed for the call (not differentiated).
         ``alibi_slopes`` a concrete float32 JAX array on q's device; ``seed`` a Python int,
-        required with ``dropout_p > 0``.
+        required with ``dropout_p > 0``. The arrays of a user mod are constants here: the
+        gradients of its ``grad_arrays`` come from ``cupyflash.flash_attention_backward``.
 
     Returns
     -------
@@ -63,7 +64,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, block_mask=None, 
     return _differentiable(dict(causal=causal, softmax_scale=softmax_scale,
                                 window_size=window_size, softcap=softcap,
                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                                offset=offset, block_mask=block_mask))(q, k, v)
+                                offset=offset, block_mask=block_mask, score_mod=score_mod,
+                                mask_mod=mask_mod))(q, k, v)
 
 
 def _differentiable(options):
@@ -80,7 +82,8 @@ def _differentiable(options):
 
     def backward(residuals, dout):
         q, k, v, out, lse = residuals
-        dq, dk, dv = api.flash_attention_backward(dout, q, k, v, out, lse, **options)
+        # A score_mod's table gradients (a 4th result) are not inputs of this function.
+        dq, dk, dv = api.flash_attention_backward(dout, q, k, v, out, lse, **options)[:3]
         return dq, dk, dv
 
     attention.defvjp(forward, backward)

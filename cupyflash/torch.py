@@ -10,7 +10,8 @@ of the tensors' device. CUDA tensors run the GPU kernels; CPU tensors run the Nu
 
 Not supported: ``torch.compile`` traces around the call (a graph break: the function is not
 a registered custom op), double backward, and gradients with respect to ``softmax_scale``,
-``softcap`` and ``alibi_slopes`` (constants of the call, as in FlashAttention 2). Dropout
+``softcap``, ``alibi_slopes`` and a user mod's arrays (constants of the call, as in
+FlashAttention 2). Dropout
 takes an explicit ``seed`` (PyTorch's generator is not drawn from): the backward regenerates
 the forward's mask from the saved seed and offset.
 """
@@ -27,15 +28,17 @@ __all__ = ["flash_attention", "FlashAttentionFunction"]
 
 class FlashAttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, causal, softmax_scale, block_mask, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0)`` -> out, differentiable in q, k,
-    v."""
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, score_mod=None, mask_mod=None)`` ->
+    out, differentiable in q, k, v."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, block_mask, window_size=(-1, -1),
-                softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0):
+                softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                score_mod=None, mask_mod=None):
         options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                       seed=seed, offset=offset, block_mask=block_mask)
+                       seed=seed, offset=offset, block_mask=block_mask, score_mod=score_mod,
+                       mask_mod=mask_mod)
         out, lse = api.flash_attention(q, k, v, return_lse=True, **options)
         ctx.save_for_backward(q, k, v, out, lse)
         # The slopes are an input that gets no gradient: kept as is, like the other options.
@@ -50,13 +53,14 @@ class FlashAttentionFunction(torch.autograd.Function):
         # kernels read any strides but need the last dimension contiguous.
         if dout.shape[-1] > 1 and dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = api.flash_attention_backward(dout, q, k, v, out, lse, **ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        # A score_mod's table gradients (a 4th result) are not inputs of this function.
+        dq, dk, dv = api.flash_attention_backward(dout, q, k, v, out, lse, **ctx.options)[:3]
+        return (dq, dk, dv) + (None,) * 11
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
-                    block_mask=None):
+                    block_mask=None, score_mod=None, mask_mod=None):
     """``cupyflash.flash_attention`` for PyTorch tensors, with autograd.
 
     Parameters
@@ -67,10 +71,12 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         the NumPy path runs). ``nheads % nheads_k == 0`` (GQA/MQA). Note the layout:
         ``torch.nn.functional.scaled_dot_product_attention`` takes (batch, nheads, seqlen,
         headdim); pass ``x.transpose(1, 2)`` of such tensors (read in place, no copy).
-    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, offset, block_mask
+    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, offset, block_mask, score_mod, mask_mod
         As in ``cupyflash.flash_attention`` (causal and the window are aligned bottom-right
         when ``seqlen_q != seqlen_k``); ``alibi_slopes`` a float32 tensor on q's device;
-        ``seed`` an int, required with ``dropout_p > 0`` (the backward reuses it).
+        ``seed`` an int, required with ``dropout_p > 0`` (the backward reuses it). The arrays
+        of a user mod are constants here (no autograd through them): the gradients of its
+        ``grad_arrays`` come from ``cupyflash.flash_attention_backward``.
 
     Returns
     -------
@@ -87,4 +93,5 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     """
     return FlashAttentionFunction.apply(q, k, v, _validate.check_flag("causal", causal),
                                         softmax_scale, block_mask, window_size, softcap,
-                                        alibi_slopes, dropout_p, seed, offset)
+                                        alibi_slopes, dropout_p, seed, offset, score_mod,
+                                        mask_mod)

@@ -108,3 +108,58 @@ def test_a_stack_frame_is_local_memory(monkeypatch):
     stats = nvrtc_compile("probe.cu", names, "sm_80")
     assert set(stats) == set(names)
     assert set(local_memory(stats)) == {"stack_kernel", "callee_stack_kernel"}, stats
+
+
+# User mods: kernels with a snippet are compiled per snippet at run time (their tile is the
+# largest without local memory, checked then); the table's "user" tiles, their fallback, must
+# compile clean for the README's kind of rules: a relative-position bias with its table's
+# gradient, and a document mask.
+def _user_mod_names(score, mask):
+    import numpy as np
+    from cupyflash import _spec, mods
+    from cupyflash._compile import template_name
+    bias, doc = np.zeros((16, 1024), np.float32), np.zeros(64, np.int32)
+    at = "bias.offset(h, kv_idx - q_idx + 512)"
+    sm = mods.ScoreMod(f"score + bias[{at}]", grad=f"d_bias.add({at}, dscore);\nreturn dscore;",
+                       arrays={"bias": bias}, grad_arrays=("bias",)) if score else None
+    mm = mods.MaskMod("doc[q_idx] == doc[kv_idx]", arrays={"doc": doc}) if mask else None
+    text = mods.prelude(sm, mm)
+    names = {f: [] for f in FILES}
+    limits = (128, 128) if mask else ()
+    for window in (_spec.NO_WINDOW, _spec.CAUSAL):
+        spec = _spec.CallSpec("float16", 0, window=window, score_mod=score, mask_mod=mask,
+                              user_mods=text, sparse=mask)
+        variant = spec.variant()
+        for hd in (64, 128):
+            t = _config.tile("fwd", hd, _config.SMEM_LIMIT[80], *limits, extras=spec.extras)
+            names["fwd.cu"].append(template_name("flash_fwd_kernel", "fp16", hd, t.br, t.bc,
+                                                 t.warps, t.stages_for(spec.masked_band), variant))
+            for atomic in (True, False):
+                t = _config.tile("bwd", hd, _config.SMEM_LIMIT[80], *limits,
+                                 deterministic=not atomic, extras=spec.extras)
+                names["bwd.cu"].append(template_name("flash_bwd_dkdv_kernel", "fp16", hd, t.bc,
+                                                     t.br, t.warps, t.km, t.stages, variant,
+                                                     atomic))
+            t = _config.tile("dq", hd, _config.SMEM_LIMIT[80], *limits, extras=spec.extras)
+            names["bwd.cu"].append(template_name("flash_bwd_dq_kernel", "fp16", hd, t.br, t.bc,
+                                                 t.warps, variant))
+            for elem in ("float", "double"):
+                for kernel in ("generic_fwd_kernel", "generic_bwd_dq_kernel",
+                               "generic_bwd_dkdv_kernel"):
+                    names["generic.cu"].append(template_name(kernel, elem, hd, variant))
+    return text, names
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("score,mask", [(True, False), (True, True)], ids=["score", "both"])
+def test_user_mod_kernels_compile_without_local_memory(arch, score, mask):
+    text, names = _user_mod_names(score, mask)
+    jobs = [(f, sorted(set(ns))) for f, ns in names.items()]
+    with concurrent.futures.ProcessPoolExecutor(
+            max_workers=min(len(jobs), os.cpu_count() or 1),
+            mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(nvrtc_compile, *zip(*[(f, ns, arch, text) for f, ns in jobs])))
+    stats = {n: s for r in results for n, s in r.items()}
+    assert set(stats) == {n for _, ns in jobs for n in ns}
+    local = {n: s for n, s in stats.items() if any(s[1:])}
+    assert not local, f"local memory (registers, spill st/ld, stack) with {arch}: {local}"

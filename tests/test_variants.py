@@ -394,12 +394,20 @@ def test_gradients_match_finite_differences(sq, sk, kw):
 
 # ---------------------------------------------------------------------------------------------
 # The adapters take the keywords (CPU tensors run the NumPy path): the variants with ALiBi
-# slopes (converted to the framework's arrays), and dropout.
+# slopes (converted to the framework's arrays), dropout, and user mods.
 
 SLOPES = np.float32([[0.5, 0.25, 0.125, 0.0625]])
+TABLE = np.linspace(-1, 1, 4 * 80, dtype=np.float32).reshape(4, 80)
+DOCS = np.repeat(np.arange(4, dtype=np.int32), 10)
 ADAPTER_CASES = {
     "variants": (dict(causal=True, window_size=(6, 0), softcap=2.5), SLOPES),
     "dropout": (dict(causal=True, dropout_p=0.25, seed=77, offset=1), None),
+    # A relative bias and a document mask (the NumPy arrays stay constants of the call).
+    "user mods": (dict(causal=True, score_mod=cf.ScoreMod(
+        python=lambda s, b, h, q, k, bias: s + bias[h, k - q + 40],
+        python_grad=lambda s, ds, b, h, q, k, bias: ds, arrays={"bias": TABLE}),
+        mask_mod=cf.MaskMod(python=lambda b, h, q, k, doc: doc[q + 10] == doc[k],
+                            arrays={"doc": DOCS})), None),
 }
 adapter_cases = pytest.mark.parametrize("kw,slopes", list(ADAPTER_CASES.values()),
                                         ids=list(ADAPTER_CASES))
