@@ -185,23 +185,23 @@ class MaskMod:
         return f"MaskMod(cuda={self.cuda!r}, arrays={sorted(self.arrays)})"
 
 
+def _as_mod(cls, name, mod):
+    """``score_mod=`` / ``mask_mod=`` of a call: a ``cls``, a plain callable (its ``python``
+    rule), or None."""
+    if mod is None or isinstance(mod, cls):
+        return mod
+    if callable(mod):
+        return cls(python=mod)
+    raise TypeError(f"{name} must be a cupyflash.{cls.__name__} or a callable, got "
+                    f"{type(mod).__name__}")
+
+
 def as_score_mod(score_mod):
-    """``score_mod=`` of a call: a ScoreMod, a plain callable (its ``python`` rule), or None."""
-    if score_mod is None or isinstance(score_mod, ScoreMod):
-        return score_mod
-    if callable(score_mod):
-        return ScoreMod(python=score_mod)
-    raise TypeError(f"score_mod must be a cupyflash.ScoreMod or a callable, got "
-                    f"{type(score_mod).__name__}")
+    return _as_mod(ScoreMod, "score_mod", score_mod)
 
 
 def as_mask_mod(mask_mod):
-    if mask_mod is None or isinstance(mask_mod, MaskMod):
-        return mask_mod
-    if callable(mask_mod):
-        return MaskMod(python=mask_mod)
-    raise TypeError(f"mask_mod must be a cupyflash.MaskMod or a callable, got "
-                    f"{type(mask_mod).__name__}")
+    return _as_mod(MaskMod, "mask_mod", mask_mod)
 
 
 # --- the C++ spliced into the kernels' source ------------------------------------------------

@@ -30,6 +30,20 @@ def get_xp(*arrays):
     return cupy.get_array_module(*arrays) if cupy is not None else np
 
 
+def rel_err(got, ref):
+    """max |got - ref| / max(max |ref|, 1) over the finite entries of ref, in the arrays'
+    module. The floor of 1 is the size of the standard-normal inputs: a result that is 0 in
+    exact arithmetic (dq when each row sees one key: dS = P * (dP - D) = 0) comes out as
+    rounding noise of that size."""
+    xp = get_xp(got, ref)
+    got, ref = xp.asarray(got).astype(xp.float64), xp.asarray(ref).astype(xp.float64)
+    finite = xp.isfinite(ref)
+    if not bool(finite.any()):
+        return 0.0
+    top = max(float(xp.abs(ref[finite]).max()), 1.0)
+    return float(xp.abs(got[finite] - ref[finite]).max()) / top
+
+
 def np_dtype(dtype):
     """A NumPy dtype from a name ("bfloat16" through ml_dtypes) or a dtype."""
     if isinstance(dtype, str) and dtype == "bfloat16":

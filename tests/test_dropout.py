@@ -23,7 +23,7 @@ from cupyflash import _compile, _launch
 from cupyflash.dropout import philox4x32_10, threshold
 from reference import (assert_gradients_match_finite_differences, assert_rule, attention_naive,
                        attention_naive_backward, attention_ref, attention_ref_backward,
-                       dropout_scale, random_array)
+                       dropout_scale, random_array, rel_err)
 
 F64_REL = 1e-12
 FWD_FACTOR, BWD_FACTOR = 2, 3
@@ -291,12 +291,6 @@ class Case:
                      *attention_naive_backward(dout, q, k, v, scale, self.causal, self.dtype,
                                                elem, **ref))
         return (out, lse, *grads), refs, naive
-
-
-def rel_err(got, ref):
-    finite = np.isfinite(ref)
-    top = max(float(np.abs(ref[finite]).max(initial=0.0)), 1.0)
-    return float(np.abs(got[finite] - ref[finite]).max(initial=0.0)) / top
 
 
 NAMES = ("out", "lse", "dq", "dk", "dv")

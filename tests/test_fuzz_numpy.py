@@ -44,14 +44,14 @@ import cupyflash as cf  # noqa: E402
 
 try:
     from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
-                           attention_ref, attention_ref_backward)
+                           attention_ref, attention_ref_backward, rel_err)
     from strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
                             assert_zero_where_unseen, block_masks, cases, dropouts, layouts,
                             maybe_windows, shapes, softcaps)
 except ImportError:
     from tests.reference import (assert_rule, attention_naive,  # noqa: E402
                                  attention_naive_backward, attention_ref,
-                                 attention_ref_backward)
+                                 attention_ref_backward, rel_err)
     from tests.strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
                                   assert_zero_where_unseen, block_masks, cases, dropouts,
                                   layouts, maybe_windows, shapes, softcaps)
@@ -77,14 +77,6 @@ COUNTS = ExampleCounts("fuzz examples run per family (NumPy path)")
 @pytest.fixture(autouse=True, scope="module")
 def _report_counts(request):
     COUNTS.register(request.config)
-
-
-def rel_err(got, ref):
-    """max |got - ref| / max(max |ref|, 1) over the finite entries of ref (the floor of 1:
-    see test_numpy_path.rel_err)."""
-    finite = np.isfinite(ref)
-    scale = max(float(np.abs(ref[finite]).max(initial=0.0)), 1.0)
-    return float(np.abs(got[finite] - ref[finite]).max(initial=0.0)) / scale
 
 
 def check_case(case):

@@ -7,17 +7,10 @@ import pytest
 import cupyflash as cf
 from cupyflash import _numpy_backend, _spec, _validate, masks
 from reference import (attention_naive, attention_naive_backward, attention_ref,
-                       attention_ref_backward, assert_rule, random_array, random_inputs)
+                       attention_ref_backward, assert_rule, random_array, random_inputs,
+                       rel_err)
 
 F64_REL = 1e-12
-
-
-def rel_err(got, ref):
-    """max |got - ref| / max(max |ref|, 1) over the finite entries of ref (see
-    test_numpy_path.rel_err for the floor of 1)."""
-    finite = np.isfinite(ref)
-    scale = max(float(np.abs(ref[finite]).max(initial=0.0)), 1.0)
-    return float(np.abs(got[finite] - ref[finite]).max(initial=0.0)) / scale
 
 
 def causal_dense(sq, sk):

@@ -26,23 +26,11 @@ import pytest
 import cupyflash as cf
 from cupyflash import masks, mods
 from reference import (assert_gradients_match_finite_differences, assert_rule, attention_naive,
-                       attention_naive_backward, attention_ref, attention_ref_backward, get_xp,
-                       np_dtype, random_array)
+                       attention_naive_backward, attention_ref, attention_ref_backward,
+                       np_dtype, random_array, rel_err)
 
 F64_REL = 1e-12
 FWD_FACTOR, BWD_FACTOR = 2, 3
-
-
-def rel_err(got, ref):
-    """max |got - ref| / max(max |ref|, 1) over the finite entries of ref (as
-    test_variants.rel_err)."""
-    xp = get_xp(got, ref)
-    got, ref = got.astype(xp.float64), ref.astype(xp.float64)
-    finite = xp.isfinite(ref)
-    if not bool(finite.any()):
-        return 0.0
-    top = max(float(xp.abs(ref[finite]).max()), 1.0)
-    return float(xp.abs(got[finite] - ref[finite]).max()) / top
 
 
 def assert_close64(name, got, ref, tol=F64_REL):

@@ -23,8 +23,8 @@ import pytest
 import cupyflash as cf
 from cupyflash import _numpy_backend
 from reference import (assert_gradients_match_finite_differences, assert_rule, attention_naive,
-                       attention_naive_backward, attention_ref, attention_ref_backward, get_xp,
-                       np_dtype, random_array)
+                       attention_naive_backward, attention_ref, attention_ref_backward,
+                       np_dtype, random_array, rel_err)
 
 F64_REL = 1e-12
 FWD_FACTOR, BWD_FACTOR = 2, 3
@@ -96,18 +96,6 @@ class Variant:
     def keywords(self, slopes):
         """The variant's keywords of flash_attention and of the reference."""
         return dict(window_size=self.window_size, softcap=self.softcap, alibi_slopes=slopes)
-
-
-def rel_err(got, ref):
-    """max |got - ref| / max(max |ref|, 1) over the finite entries of ref (see
-    test_numpy_path.rel_err), in the arrays' module."""
-    xp = get_xp(got, ref)
-    got, ref = got.astype(xp.float64), ref.astype(xp.float64)
-    finite = xp.isfinite(ref)
-    if not bool(finite.any()):
-        return 0.0
-    top = max(float(xp.abs(ref[finite]).max()), 1.0)
-    return float(xp.abs(got[finite] - ref[finite]).max()) / top
 
 
 def check_case(xp, case, f64_rel=F64_REL, deterministic=False):
