@@ -145,11 +145,12 @@ def user_keywords(rule, nheads, seqlen):
             arrays={"slopes": slopes}))
     if rule.startswith("relative_bias"):
         table = cp.random.standard_normal((2 * BUCKETS + 1, nheads), dtype=cp.float32)
-        at = f"table(min(max(q_idx - kv_idx, -{BUCKETS}), {BUCKETS}) + {BUCKETS}, h)"
+        at = f"min(max(q_idx - kv_idx, -{BUCKETS}), {BUCKETS}) + {BUCKETS}, h"
         dtable = rule.endswith("dtable")
-        grad = f"d_table.add(table.offset({at[6:-1]}), dscore);\nreturn dscore;" if dtable \
+        grad = f"d_table.add(table.offset({at}), dscore);\nreturn dscore;" if dtable \
             else "dscore"
-        return dict(score_mod=cf.ScoreMod(f"score + {at}", grad=grad, arrays={"table": table},
+        return dict(score_mod=cf.ScoreMod(f"score + table({at})", grad=grad,
+                                          arrays={"table": table},
                                           grad_arrays=("table",) if dtable else ()))
     rules = {"user_causal": "kv_idx <= q_idx",
              "document": "doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx",

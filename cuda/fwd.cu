@@ -21,8 +21,8 @@
 // registers, two blocks per SM, 11-12% slower on the H100. 0 asks nothing and leaves ptxas its
 // own choice; 1 would let it take up to 255 registers (the d=64 causal kernel then took 225,
 // two blocks per SM instead of three, 11-15% slower at seqlen 1K-16K in fp16).
-// The score modifiers, user mods and dropout do not fit in 168 (NVRTC 13.5 spilled 8-36 bytes): they leave
-// ptxas its choice.
+// The score modifiers, user mods and dropout do not fit in 168 (NVRTC 13.5 spilled 8-36
+// bytes): they leave ptxas its choice.
 template <int HeadDim, int Stages, typename V>
 __host__ __device__ constexpr int fwd_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

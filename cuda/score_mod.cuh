@@ -83,20 +83,11 @@ struct ScoreMod {
         return V::Alibi ? fmaf(bias, fabsf(dist0 + static_cast<float>(ddiff)), held_value) : held_value;
     }
 
-    // Held values plus bias for a fragment of raw scores (the forward: nothing needs t after).
+    // Held values plus bias for a fragment of raw scores (the forward: nothing needs t after),
+    // or the user's score_mod of them.
     template <bool Transposed, int M, int N>
     __device__ __forceinline__ void apply(float (&s)[M][N][4], int row0, int col0, int lane) const {
-        using C = ScoreCoords<Transposed>;
-        if constexpr (V::UserScore) {
-            const C at(row0, col0, lane);
-#pragma unroll
-            for (int m = 0; m < M; ++m)
-#pragma unroll
-                for (int n = 0; n < N; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[m][n][e] = user_score(s[m][n][e], at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e));
-        } else if constexpr (V::Softcap || V::Alibi) {
+        if constexpr (V::UserScore || V::Softcap || V::Alibi) {
             using C = ScoreCoords<Transposed>;
             const C at(row0, col0, lane);
             const float d0 = dist0(at);
@@ -106,7 +97,9 @@ struct ScoreMod {
                 for (int n = 0; n < N; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        s[m][n][e] = bias_at(d0, C::ddiff(m, n, e), held(s[m][n][e]));
+                        s[m][n][e] = V::UserScore
+                            ? user_score(s[m][n][e], at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e))
+                            : bias_at(d0, C::ddiff(m, n, e), held(s[m][n][e]));
         }
     }
 };

@@ -34,13 +34,13 @@ _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("gr
          ("vec_ok", np.int32), ("launch_group", np.int32), ("scale", np.float64), ("scale_log2", np.float32),
          ("window_left", np.int32), ("window_right", np.int32), ("mod", SCORE_PARAMS), ("drop", DROPOUT_PARAMS)]
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
-                      + [("lse", np.uint64)] + _DIMS + [("kv_blocks", BLOCK_LIST), ("user", USER_PARAMS)],
-                      align=True)
+                      + [("lse", np.uint64)] + _DIMS
+                      + [("kv_blocks", BLOCK_LIST), ("user", USER_PARAMS)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
                       + [("lse", np.uint64), ("dsum", np.uint64), ("lse_log2", np.uint64), ("dq_accum", np.uint64),
                          ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32)]
-                      + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST), ("user", USER_PARAMS)],
-                      align=True)
+                      + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST),
+                                 ("user", USER_PARAMS)], align=True)
 
 # Causal passes: tiles per launch group, in multiples of the SM count (see _tile_grid). With 8,
 # a simulation of greedy block scheduling (tile lengths of causal attention, 132 SMs, seqlen
@@ -419,7 +419,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, variant),
                 rows, threads, smem, p[()], spec.user_mods)
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, variant),
-                (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()], spec.user_mods)
+                (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()],
+                spec.user_mods)
 
 
 def dq_accum_shape(shape):

@@ -129,10 +129,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     (q, k, v), alibi_slopes, user, kind, xp = _as_backend(
         (q, k, v), ("q", "k", "v"), alibi_slopes, score_mod, mask_mod, block_mask)
     _validate.check_forward(q, k, v, softmax_scale)
-    _check_gpu_rules(score_mod, mask_mod, block_mask, xp)
+    user_mods = _user_mods(score_mod, mask_mod, block_mask, xp)
     block_mask = _mask_of(mask_mod, block_mask, q, k, xp)
     spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                             dropout_p, block_mask, score_mod, xp)
+                             dropout_p, block_mask, score_mod, user_mods)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
@@ -186,14 +186,16 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
         (dout, q, k, v, out, lse), names, alibi_slopes, score_mod, mask_mod, block_mask)
     dout, q, k, v, out, lse = arrays
     _validate.check_backward(dout, q, k, v, out, lse, softmax_scale)
-    _check_gpu_rules(score_mod, mask_mod, block_mask, xp)
-    if score_mod is not None and (score_mod.grad if xp is not np else score_mod.python_grad) is None:
+    user_mods = _user_mods(score_mod, mask_mod, block_mask, xp)
+    gradient = None if score_mod is None else (
+        score_mod.grad if xp is not np else score_mod.python_grad)
+    if score_mod is not None and gradient is None:
         which = "grad= (CUDA)" if xp is not np else "python_grad="
         raise ValueError(f"score_mod has no gradient rule for these inputs: the backward needs "
                          f"d loss / d score from dscore; give the ScoreMod {which}")
     block_mask = _mask_of(mask_mod, block_mask, q, k, xp)
     spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                             dropout_p, block_mask, score_mod, xp)
+                             dropout_p, block_mask, score_mod, user_mods)
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
@@ -221,11 +223,17 @@ def _check_mods(score_mod, mask_mod, block_mask, window_size):
     return score_mod, mask_mod
 
 
-def _check_gpu_rules(score_mod, mask_mod, block_mask, xp):
+def _rule_mask(mask_mod, block_mask):
+    """The call's mask rule: ``mask_mod=``, or a BlockMask's own (the block mask is validated
+    later; anything else has none)."""
+    return mask_mod if mask_mod is not None else getattr(block_mask, "mask_mod", None)
+
+
+def _user_mods(score_mod, mask_mod, block_mask, xp):
     """Each mod has the rule its inputs run: CUDA code for GPU inputs, checked through NVRTC
-    (SnippetError) before anything is allocated, or a Python callable for NumPy inputs."""
-    if mask_mod is None:   # a BlockMask's own (validated later; anything else has none)
-        mask_mod = getattr(block_mask, "mask_mod", None)
+    (SnippetError) before anything is allocated, or a Python callable for NumPy inputs.
+    Returns the kernels' ``struct UserMods`` (``mods.prelude``; "" on the NumPy path)."""
+    mask_mod = _rule_mask(mask_mod, block_mask)
     for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if mod is None:
             continue
@@ -233,19 +241,19 @@ def _check_gpu_rules(score_mod, mask_mod, block_mask, xp):
             raise ValueError(f"{name} has no CUDA rule (cuda=) for GPU inputs")
         if xp is np and mod.python is None:
             raise ValueError(f"{name} has no python rule (python=) for NumPy inputs")
-    if xp is not np:
-        text = mods.prelude(score_mod, mask_mod)
-        if text:
-            mods.check_prelude(text)
+    if xp is np:
+        return ""
+    text = mods.prelude(score_mod, mask_mod)
+    if text:
+        mods.check_prelude(text)
+    return text
 
 
 def _as_backend(arrays, names, alibi_slopes, score_mod=None, mask_mod=None, block_mask=None):
     """``_arrays.as_backend`` of the call's arrays, the slopes and the user mods' arrays
     among them, so that they convert, and mix or not, as q does. Returns (arrays, slopes,
     the mods' arrays as [(name, C-contiguous array)] in slot order, caller, xp)."""
-    if mask_mod is None:   # a BlockMask's own (validated later; anything else has none)
-        mask_mod = getattr(block_mask, "mask_mod", None)
-    slots = mods.slots(score_mod, mask_mod)
+    slots = mods.slots(score_mod, _rule_mask(mask_mod, block_mask))
     extra = ([alibi_slopes] if alibi_slopes is not None else []) + [a for _, _, a in slots]
     extra_names = (["alibi_slopes"] if alibi_slopes is not None else []) + \
         [f"{owner} array {name!r}" for owner, name, _ in slots]
@@ -268,8 +276,9 @@ def _mask_of(mask_mod, block_mask, q, k, xp):
 
 
 def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-               block_mask, score_mod, xp):
-    """Checks the rest of the call against q and k; returns its CallSpec and softmax scale."""
+               block_mask, score_mod, user_mods):
+    """Checks the rest of the call against q and k; returns its CallSpec and softmax scale.
+    ``user_mods`` is the GPU kernels' text of the mods (``_user_mods``)."""
     scale = _scale(softmax_scale, q.shape[-1])
     softcap = _validate.check_softcap(softcap, q.dtype)
     _validate.check_alibi_slopes(alibi_slopes, q)
@@ -286,7 +295,6 @@ def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, 
     if score_mod is not None and (softcap or alibi_slopes is not None):
         raise ValueError("score_mod cannot be combined with softcap or alibi_slopes: write "
                          "them into the score_mod")
-    user_mods = mods.prelude(score_mod, mask_mod) if xp is not np else ""
     spec = _spec.CallSpec.of(q, causal=causal, window_size=window_size, softcap=softcap,
                              alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                              block_mask=block_mask, score_mod=score_mod, mask_mod=mask_mod,

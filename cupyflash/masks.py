@@ -578,11 +578,7 @@ def classify_mask_mod(mask_mod, seqlen_q, seqlen_k, *, batch, nheads, block_size
         counts = _classify_gpu(mask_mod, seqlen_q, seqlen_k, block_q, block_k, nh, nb)
     else:
         counts = _classify_numpy(mask_mod, seqlen_q, seqlen_k, block_q, block_k, nh, nb)
-    rows = np.minimum(np.arange(cdiv(seqlen_q, block_q)) * block_q + block_q, seqlen_q) \
-        - np.arange(cdiv(seqlen_q, block_q)) * block_q
-    cols = np.minimum(np.arange(cdiv(seqlen_k, block_k)) * block_k + block_k, seqlen_k) \
-        - np.arange(cdiv(seqlen_k, block_k)) * block_k
-    full = counts == nb * rows[:, None] * cols[None, :]
+    full = counts == nb * _visible_counts(block_q, block_k, seqlen_q, seqlen_k, _spec.NO_WINDOW)
     kept = counts > 0
     mask = BlockMask.__new__(BlockMask)
     mask.mask_mod, mask.mask_batch = mask_mod, batch
