@@ -1,8 +1,9 @@
 // Dropout of the attention probabilities (FlashAttention 2): each element (b, h, query, key)
-// is kept with probability 1 - p and its weight scaled by 1 / (1 - p); the row sums (l, lse)
-// are those of the undropped softmax. The bits come from philox.cuh's generator, a function of
-// the element's coordinates alone, so the backward regenerates the forward's mask in its own
-// (transposed) layout. cupyflash/dropout.py computes the same bits (dropout_mask).
+// is kept with probability 1 - p and its weight scaled by 1 / (1 - p), p at 1/256 resolution
+// (cupyflash/dropout.py); the row sums (l, lse) are those of the undropped softmax. The bits
+// come from philox.cuh's generator, a function of the element's coordinates alone, so the
+// backward regenerates the forward's mask in its own (transposed) layout.
+// cupyflash/dropout.py computes the same bits (dropout_mask).
 #pragma once
 #include "params.cuh"
 #include "philox.cuh"
@@ -24,38 +25,56 @@ struct Dropout {
     }
 
     // Calls f(m, n, e, keep) for each element of a score fragment s[M][N][4] laid out as
-    // ScoreCoords says (rows from row0, columns from col0, both multiples of 16; rows are
-    // queries, or keys when Transposed). One generator call per group: the elements
-    // (m, n, c), (m, n, c + 2), (m, n + 1, c), (m, n + 1, c + 2) of an even n are rows r, r + 8
-    // and columns k, k + 8 of one thread.
+    // ScoreCoords says (rows from row0, columns from col0; rows are queries, or keys when
+    // Transposed). A generator call serves the thread's elements of one group (philox.cuh):
+    // rows r + 8a of MB m16 slices times column c of NB n8 tiles, all 16 bytes when the
+    // fragment spans 32 x 32 (MB = 2, NB = 4), else the half or quarter of them it holds.
+    // row0 is a multiple of 16 * MB and col0 of 8 * NB (the callers' warp offsets), so a
+    // group's bytes sit at fixed places when it spans its whole band.
     template <bool Transposed, int M, int N, typename F>
     __device__ __forceinline__ void for_each(int row0, int col0, int lane, F&& f) const {
-        static_assert(N % 2 == 0, "groups span two n8 tiles");
-        const unsigned r0 = row0 + lane / 4, c0 = col0 + 2 * (lane % 4);
+        constexpr int MB = M >= 2 ? 2 : 1, NB = N >= 4 ? 4 : N;
+        constexpr int PerCall = 2 * MB * NB, Calls = (M / MB) * (N / NB) * 2;
+        static_assert(M % MB == 0 && N % NB == 0 && Calls * PerCall <= 64, "the keep bits fit 64");
+        // The 8-row (8-column) part of the band where the fragment's first slice starts.
+        const unsigned row_part = MB == 2 ? 0 : (row0 / 8) & 3, col_part = NB == 4 ? 0 : (col0 / 8) & 3;
+        // First the keep bits, one call at a time (a call's four words live briefly, its bits
+        // in one 64-bit word), then the fragment's elements in their fixed places.
+        unsigned long long bits = 0;
+#pragma unroll 1
+        for (int call = 0; call < Calls; ++call) {
+            const int c = call & 1, nb = (call >> 1) % (N / NB), mb = (call >> 1) / (N / NB);
+            const unsigned row = row0 + lane / 4 + 16 * MB * mb, col = col0 + 2 * (lane % 4) + c + 8 * NB * nb;
+            const uint4 w = dropout_words(bh, dropout_group(Transposed ? col : row),
+                                          dropout_group(Transposed ? row : col), offset, key);
+            unsigned mine = 0;
+#pragma unroll
+            for (int mm = 0; mm < MB; ++mm)
+#pragma unroll
+                for (int a = 0; a < 2; ++a)
+#pragma unroll
+                    for (int nn = 0; nn < NB; ++nn) {
+                        const unsigned rp = row_part + 2 * mm + a, cp = col_part + nn;
+                        mine |= unsigned(dropout_kept(w, Transposed ? cp : rp, Transposed ? rp : cp, threshold))
+                                << ((2 * mm + a) * NB + nn);
+                    }
+            bits |= static_cast<unsigned long long>(mine) << (call * PerCall);
+        }
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int n = 0; n < N; n += 2)
+            for (int n = 0; n < N; ++n)
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const unsigned row = r0 + m * 16, col = c0 + n * 8 + c;
-                    const unsigned query = Transposed ? col : row, key_ = Transposed ? row : col;
-                    const unsigned bits = dropout_keep_bits(
-                        dropout_words(bh, dropout_group(query), dropout_group(key_), offset, key),
-                        threshold);
-                    // Bit 2a + b: query + 8a, key + 8b; the fragment's row half is e / 2, its
-                    // column half the second n8 tile.
-                    f(m, n, c, bits & 1);
-                    f(m, n, c + 2, (bits >> (Transposed ? 1 : 2)) & 1);
-                    f(m, n + 1, c, (bits >> (Transposed ? 2 : 1)) & 1);
-                    f(m, n + 1, c + 2, (bits >> 3) & 1);
+                for (int e = 0; e < 4; ++e) {
+                    const int call = ((m / MB) * (N / NB) + n / NB) * 2 + (e & 1);
+                    const int bit = call * PerCall + (2 * (m % MB) + e / 2) * NB + n % NB;
+                    f(m, n, e, unsigned(bits >> bit) & 1);
                 }
     }
 
     // The keep bit of one element (the plain kernels).
     __device__ __forceinline__ bool keep(unsigned query, unsigned key_) const {
-        const uint4 w = dropout_words(bh, dropout_group(query), dropout_group(key_), offset, key);
-        const unsigned word = ((query >> 3) & 1) * 2 + ((key_ >> 3) & 1);
-        return (word == 0 ? w.x : word == 1 ? w.y : word == 2 ? w.z : w.w) >= threshold;
+        return dropout_kept(dropout_words(bh, dropout_group(query), dropout_group(key_), offset, key),
+                            (query / 8) & 3, (key_ / 8) & 3, threshold);
     }
 };

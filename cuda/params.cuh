@@ -44,8 +44,8 @@ struct ScoreParams {
 struct DropoutParams {
     unsigned long long seed;   // the Philox key
     unsigned offset;           // the counter's last word
-    unsigned threshold;        // a word below it drops its element
-    double scale;              // 1 / (1 - dropout_p): kept weights are scaled by it
+    unsigned threshold;        // a random byte below it drops its element
+    double scale;              // 1 / (1 - p), p = threshold / 256: kept weights are scaled by it
 };
 
 // The read-only arrays of a call's user mods (score_mod, mask_mod; user.cuh), in the order the

@@ -7,16 +7,16 @@
 // The layout of the counter, mirrored bit for bit by cupyflash/dropout.py (its docstring is the
 // spec; tests/test_dropout.py checks the two agree on a GPU):
 //   key     = (seed & 0xffffffff, seed >> 32)
-//   counter = (gj, gi, b * nheads + h, offset), gi = (i / 16) * 8 + i % 8 (gj likewise of j)
-//   element (i, j) takes word 2 * ((i / 8) % 2) + (j / 8) % 2 of the four;
-//   kept iff word >= threshold (threshold = p * 2**32 rounded, at most 2**32 - 1).
-// One call serves the four elements {i, i+8} x {j, j+8} that one thread holds in an mma.sync
-// m16n8 accumulator fragment (rows r and r + 8; with two n8 tiles, columns c and c + 8): the
-// forward and the transposed dK/dV pass each use all four words of a call, no shuffles.
+//   counter = (gj, gi, b * nheads + h, offset), gi = (i / 32) * 8 + i % 8 (gj likewise of j)
+//   element (i, j) takes byte (j / 8) % 4 of word (i / 8) % 4 of the four (16 bytes, 16
+//   elements: rows i + {0, 8, 16, 24} x columns j + {0, 8, 16, 24});
+//   kept iff byte >= threshold (threshold = round(256 p), 1..255 for p > 0).
+// One call serves the 16 elements a thread holds of 32 rows x 32 columns of mma.sync m16n8
+// accumulator fragments (rows r + 8a of two m16 slices, column c of four n8 tiles), in the
+// forward and in the transposed dK/dV pass alike: no shuffles, and a quarter of the calls of
+// one word per element. 8-bit randoms are FlashAttention 2's resolution.
 //
 // Self-contained (no other header) so that it compiles alone, in tests, and in every family.
-// No kernel includes it yet (tests/test_dropout.py does): the dropout step of the kernels
-// will, and must keep the layout above.
 #pragma once
 
 constexpr unsigned PHILOX_M0 = 0xD2511F53u;   // round multipliers (Random123's constants)
@@ -43,18 +43,18 @@ __device__ __forceinline__ uint2 philox_key(unsigned long long seed) {
     return make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32));
 }
 
-// The group coordinate of row (or column) i: rows i and i + 8 of a 16-row band share one.
-__device__ __forceinline__ unsigned dropout_group(unsigned i) { return (i >> 4) * 8 + (i & 7); }
+// The group coordinate of row (or column) i: rows i + {0, 8, 16, 24} of a 32-row band share one.
+__device__ __forceinline__ unsigned dropout_group(unsigned i) { return (i >> 5) * 8 + (i & 7); }
 
-// The four words of the group (gi, gj) of head `bh` (= b * nheads + h).
+// The 16 random bytes of the group (gi, gj) of head `bh` (= b * nheads + h).
 __device__ __forceinline__ uint4 dropout_words(unsigned bh, unsigned gi, unsigned gj,
                                                unsigned offset, uint2 key) {
     return philox4x32_10(make_uint4(gj, gi, bh, offset), key);
 }
 
-// Keep bits of a group: bit 2 * a + c is element (i + 8a, j + 8c) of the group whose first
-// element is (i, j) with i % 16 < 8 and j % 16 < 8 (the word order above).
-__device__ __forceinline__ unsigned dropout_keep_bits(uint4 w, unsigned threshold) {
-    return unsigned(w.x >= threshold) | unsigned(w.y >= threshold) << 1 |
-           unsigned(w.z >= threshold) << 2 | unsigned(w.w >= threshold) << 3;
+// Whether the element of row part `a` ((i / 8) % 4) and column part `c` ((j / 8) % 4) of a
+// group is kept. Constant parts fold the word choice and the shift away.
+__device__ __forceinline__ bool dropout_kept(uint4 w, unsigned a, unsigned c, unsigned threshold) {
+    const unsigned word = a == 0 ? w.x : a == 1 ? w.y : a == 2 ? w.z : w.w;
+    return ((word >> (8 * c)) & 0xffu) >= threshold;
 }

@@ -110,19 +110,19 @@ class DqTile(_Tile):
         return (2 * self.br + 2 * self.bc) * (hd + SMEM_PAD) * 2
 
 
-# User mods ("user") run code of unknown register cost per element: they take the tiles of
-# dropout and of the other score steps.
-_DROP = frozenset({"dropout", "user"})
+# User mods ("user") run code of unknown register cost per element: _launch takes the largest
+# tile whose kernel does not spill with the snippet, from these.
 _USER = frozenset({"user"})   # the d=64 causal forward with a T5-style score_mod spilled 8 bytes
-_ALL = frozenset({"softcap", "alibi", "dropout", "user"})
+_MODS = frozenset({"softcap", "alibi", "user"})
+_ALL = _MODS | {"dropout"}
 
 # Largest first; the first tile whose shared memory fits the device is taken.
 _FWD = {
     32: [FwdTile(128, 64, 4), FwdTile(64, 64, 2)],
     64: [FwdTile(128, 64, 4, stages=2, spills_with=_USER), FwdTile(128, 64, 4, spills_with=_USER),
          FwdTile(64, 64, 4)],
-    96: [FwdTile(128, 64, 4, spills_with=_DROP), FwdTile(64, 64, 4)],
-    128: [FwdTile(128, 64, 4, spills_with=_DROP), FwdTile(64, 64, 4)],
+    96: [FwdTile(128, 64, 4, spills_with=_USER), FwdTile(64, 64, 4)],
+    128: [FwdTile(128, 64, 4, spills_with=_USER), FwdTile(64, 64, 4)],
     160: [FwdTile(64, 64, 4)],
     192: [FwdTile(64, 64, 4)],
     224: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
@@ -130,13 +130,13 @@ _FWD = {
 }
 _BWD = {
     32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8)],
-    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2, spills_with=_ALL),
+    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2, spills_with=_MODS),
          BwdTile(128, 128, 8, km=2, spills_with=_ALL), BwdTile(128, 64, 8),
          BwdTile(64, 64, 8)],
-    96: [BwdTile(64, 64, 8, spills_with=_DROP), BwdTile(64, 32, 4)],
-    128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2, spills_with=_DROP),
-          BwdTile(128, 64, 8, atomic_only=True, km=2, spills_with=_DROP),
-          BwdTile(128, 64, 8, spills_with=_DROP), BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
+    96: [BwdTile(64, 64, 8, spills_with=_USER), BwdTile(64, 32, 4)],
+    128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2, spills_with=_USER),
+          BwdTile(128, 64, 8, atomic_only=True, km=2, spills_with=_USER),
+          BwdTile(128, 64, 8, spills_with=_USER), BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     192: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     224: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],

@@ -105,7 +105,7 @@ def _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout):
         drop = p["drop"]
         drop["seed"], drop["offset"] = dropout
         drop["threshold"] = _dropout.threshold(spec.dropout)
-        drop["scale"] = 1.0 / (1.0 - spec.dropout)
+        drop["scale"] = 1.0 / (1.0 - _dropout.effective_p(spec.dropout))
 
 
 def _smem_limit():

@@ -12,7 +12,8 @@ it to understand them:
   the output rescaled lazily and normalized once at the end; ``lse = (m + log2(l)) /
   log2(e)`` stored in natural log.
 - dropout (``_Dropout.keep``): after the softmax statistics, the dropped elements of ``P``
-  become 0 before ``P V`` and the output is scaled by ``1 / (1 - p)`` with the normalisation,
+  become 0 before ``P V`` and the output is scaled by ``1 / (1 - p)`` with the normalisation
+  (p at the generator's 1/256 resolution, ``dropout.effective_p``),
   as FlashAttention 2 does; ``l``, ``m`` and so lse are those of the undropped softmax. The
   keep bits come from ``cupyflash.dropout``'s generator, tile by tile.
 - backward: ``D = rowsum(dout * out)`` first, then for each key block a loop over the query
@@ -223,8 +224,12 @@ class _Dropout(NamedTuple):
     bh: object              # int64 (batch, nheads_k, group): b * nheads + query head
 
     @property
+    def kept_fraction(self):
+        return 1.0 - dropout.effective_p(self.dropout_p)
+
+    @property
     def rescale(self):
-        return 1.0 / (1.0 - self.dropout_p)
+        return 1.0 / self.kept_fraction
 
     def keep(self, r0, r1, c0, c1):
         """Bool (batch, nheads_k, group, r1 - r0, c1 - c0): the kept elements of the tile."""
@@ -316,7 +321,7 @@ def _forward_tiles(q64, k64, v64, scores, drop, kv_list, br, bc):
         empty = l == 0
         l_safe = np.where(empty, 1.0, l)
         # Dropout's 1 / (1 - p) on the kept weights is folded into the normalisation.
-        norm = l_safe * (1.0 - drop.dropout_p) if drop.dropout_p else l_safe
+        norm = l_safe * drop.kept_fraction if drop.dropout_p else l_safe
         out[..., r0:r1, :] = np.where(empty[..., None], 0.0, acc / norm[..., None])
         lse[..., r0:r1] = np.where(empty, -np.inf, (m + np.log2(l_safe)) / LOG2E)
     return out, lse

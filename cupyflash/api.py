@@ -61,12 +61,13 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         block mask) and the softmax.
     dropout_p : float
         In ``[0, 1)``. Dropout of the attention weights as in FlashAttention 2: ``out =
-        (softmax(s) * keep / (1 - dropout_p)) v`` with ``keep`` a Bernoulli(1 - dropout_p)
-        mask per (batch, head, query, key), generated on the fly from ``seed`` and
-        ``offset`` and never stored; ``cupyflash.dropout_mask`` returns it. lse is that of
-        the softmax before dropout. 0 (the default) is no dropout and costs nothing. NumPy
-        path only for now: GPU inputs (CuPy, or device arrays through DLPack) with
-        ``dropout_p > 0`` raise NotImplementedError.
+        (softmax(s) * keep / (1 - p)) v`` with ``keep`` a Bernoulli(1 - p) mask per (batch,
+        head, query, key), generated on the fly from ``seed`` and ``offset`` and never
+        stored; ``cupyflash.dropout_mask`` returns it. ``p`` is ``dropout_p`` at the
+        generator's 1/256 resolution (``cupyflash.dropout.effective_p``: the nearest multiple
+        of 1/256, at least 1/256). lse is that of the softmax before dropout. 0 (the default)
+        is no dropout and costs nothing. On the GPU, dropout with ``softcap``,
+        ``alibi_slopes`` or a ``score_mod`` raises NotImplementedError.
     seed : int, optional
         In ``[0, 2**64)``, the key of the generator (Philox4x32-10). Required when
         ``dropout_p > 0``: none is drawn implicitly, because the backward must be given the

@@ -8,17 +8,21 @@ The generator (cuda/philox.cuh is its CUDA spelling and must match it bit for bi
   0xCD9E8D57, key bumps 0x9E3779B9 and 0xBB67AE85; key ``(seed & 0xffffffff, seed >> 32)``
   for a uint64 ``seed``.
 - Element ``(b, h, i, j)`` (batch entry, query head, query row, key column, 0-based) belongs
-  to the group ``gi = (i // 16) * 8 + i % 8``, ``gj = (j // 16) * 8 + j % 8``: the four
-  elements ``{i, i + 8} x {j, j + 8}`` with ``i % 16 < 8``, ``j % 16 < 8`` share one call, on
-  the counter ``(gj, gi, b * nheads + h, offset)`` (uint32 each).
-- The element takes word ``w = 2 * ((i // 8) % 2) + (j // 8) % 2`` of the call's four, ``u``;
-  it is kept iff ``u >= threshold``, ``threshold = min(round(p * 2**32), 2**32 - 1)``
-  (Python's ``round``; p = 0 keeps everything). The keep probability is threshold / 2**32,
-  which differs from 1 - p by less than 2**-32.
+  to the group ``gi = (i // 32) * 8 + i % 8``, ``gj = (j // 32) * 8 + j % 8``: the 16
+  elements ``i + {0, 8, 16, 24} x j + {0, 8, 16, 24}`` with ``i % 32 < 8``, ``j % 32 < 8``
+  share one call, on the counter ``(gj, gi, b * nheads + h, offset)`` (uint32 each).
+- The element takes byte ``(j // 8) % 4`` (little-endian: bits ``8 * that`` and up) of word
+  ``(i // 8) % 4`` of the call's four, ``u``; it is kept iff ``u >= threshold``,
+  ``threshold = round(256 * p)`` clamped to ``[1, 255]`` for ``p > 0`` (Python's ``round``;
+  p = 0 keeps everything). So p is used at 1/256 resolution, as FlashAttention 2 does: the
+  drop probability is exactly ``threshold / 256`` (``effective_p``), and the kept weights are
+  scaled by ``1 / (1 - effective_p(p))``, which keeps every expectation exact.
 
-Why this layout: a tensor-core thread holds rows ``{r, r + 8}`` and columns ``{c, c + 8}`` of
-an mma accumulator, in the forward (rows = queries) and in the dK/dV pass (rows = keys, the
-tile transposed), so one Philox call per group serves both without sharing between threads.
+Why this layout: a tensor-core thread holds rows ``r + 8a`` of its m16 slices and column
+``c`` of its n8 tiles of an mma accumulator, in the forward (rows = queries) and in the dK/dV
+pass (rows = keys, the tile transposed): one call per group serves both without sharing
+between threads, and one call of 128 random bits gives 16 elements, not 4 (the generator was
+most of dropout's cost: ~80 integer instructions per call).
 
 Here the generator is vectorized NumPy: the 32 x 32-bit products are exact in uint64.
 """
@@ -26,7 +30,7 @@ import numpy as np
 
 from . import _validate
 
-__all__ = ["dropout_mask"]
+__all__ = ["dropout_mask", "effective_p"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
@@ -53,12 +57,19 @@ def philox4x32_10(ctr, key):
 
 
 def threshold(dropout_p):
-    """The uint32 bound below which a word drops its element."""
-    return min(round(float(dropout_p) * 2**32), 2**32 - 1)
+    """The byte bound below which a random byte drops its element."""
+    dropout_p = float(dropout_p)
+    return 0 if dropout_p == 0 else min(max(round(dropout_p * 256), 1), 255)
+
+
+def effective_p(dropout_p):
+    """The drop probability the kernels use for ``dropout_p``: a multiple of 1/256 (see the
+    module's docstring); kept weights are scaled by ``1 / (1 - effective_p(dropout_p))``."""
+    return threshold(dropout_p) / 256
 
 
 def _group(i):
-    return (i // 16) * 8 + i % 8
+    return (i // 32) * 8 + i % 8
 
 
 def keep(bh, rows, cols, dropout_p, seed, offset):
@@ -73,15 +84,17 @@ def keep(bh, rows, cols, dropout_p, seed, offset):
     words = philox4x32_10((gj, gi[:, None], bh[..., None, None], offset),
                           (seed & 0xFFFFFFFF, seed >> 32))
     words = np.stack(words, axis=-3)                            # (*bh, 4, groups_i, groups_j)
-    w = 2 * ((rows // 8) % 2)[:, None] + ((cols // 8) % 2)[None, :]
-    return words[..., w, row_group[:, None], col_group[None, :]] >= threshold(dropout_p)
+    byte_shift = (8 * ((cols // 8) % 4)).astype(np.uint32)[None, :]
+    u = words[..., ((rows // 8) % 4)[:, None], row_group[:, None], col_group[None, :]]
+    return ((u >> byte_shift) & np.uint32(0xFF)) >= threshold(dropout_p)
 
 
 def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0, xp=np):
     """The keep-mask of ``flash_attention(..., dropout_p=dropout_p, seed=seed,
     offset=offset)`` on inputs with these sizes: True where the attention weight of query
     ``i`` on key ``j`` in head ``h`` of batch entry ``b`` is kept (and scaled by ``1 / (1 -
-    dropout_p)``), False where it is dropped.
+    effective_p(dropout_p))``), False where it is dropped (with probability
+    ``effective_p(dropout_p)``, ``dropout_p`` rounded to a multiple of 1/256).
 
     Parameters
     ----------
@@ -122,10 +135,10 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0, x
     if dropout_p == 0:
         mask[...] = True
     elif mask.size:
-        # Whole heads per call while they fit the chunk, else bands of 16-row groups.
+        # Whole heads per call while they fit the chunk, else bands of 32-row groups.
         per_head = seqlen_q * seqlen_k
         heads_per = max(1, _CHUNK // per_head)
-        rows_per = seqlen_q if heads_per > 1 else max(16, _CHUNK // seqlen_k // 16 * 16)
+        rows_per = seqlen_q if heads_per > 1 else max(32, _CHUNK // seqlen_k // 32 * 32)
         cols = np.arange(seqlen_k)
         for h0 in range(0, batch * nheads, heads_per):
             bh = np.arange(h0, min(h0 + heads_per, batch * nheads))

@@ -9,7 +9,7 @@ Every function works on NumPy or CuPy arrays alike (``xp`` is taken from the inp
   rounded to it), i.e. how far a same-dtype standard attention lands from the truth.
 - ``assert_rule``: FlashAttention's rule, our error <= factor * the naive error + tiny slack.
 
-Dropout enters each of them as ``dropout``: the multiplier ``keep / (1 - dropout_p)``, (batch,
+Dropout enters each of them as ``dropout``: the multiplier ``keep / (1 - effective_p)``, (batch,
 nheads, seqlen_q, seqlen_k), ``keep`` the public ``cupyflash.dropout_mask`` (``dropout_scale``
 builds it); it multiplies P after the softmax (lse is that of the undropped softmax).
 """
@@ -241,13 +241,13 @@ def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None
 
 
 def dropout_scale(xp, batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
-    """The ``dropout`` multiplier of a call, ``keep / (1 - dropout_p)`` in float64, from the
-    public keep-mask; None for ``dropout_p == 0``."""
+    """The ``dropout`` multiplier of a call, ``keep / (1 - effective_p(dropout_p))`` in
+    float64, from the public keep-mask; None for ``dropout_p == 0``."""
     if not dropout_p:
         return None
     import cupyflash as cf
     keep = cf.dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset, xp=xp)
-    return keep / (1.0 - dropout_p)
+    return keep / (1.0 - cf.dropout.effective_p(dropout_p))
 
 
 def _float64(variant, xp):

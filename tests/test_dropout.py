@@ -57,18 +57,19 @@ def test_philox_is_elementwise_over_arrays():
 def _mask_by_the_spec(batch, nheads, sq, sk, p, seed, offset):
     """dropout_mask written from cupyflash.dropout's docstring, one element at a time."""
     key = (seed & 0xffffffff, seed >> 32)
-    bound = min(round(p * 2**32), 2**32 - 1)
+    bound = min(max(round(p * 256), 1), 255)
     mask = np.empty((batch, nheads, sq, sk), bool)
     for b, h, i, j in np.ndindex(mask.shape):
-        gi, gj = (i // 16) * 8 + i % 8, (j // 16) * 8 + j % 8
-        words = philox4x32_10((gj, gi, b * nheads + h, offset), key)
-        mask[b, h, i, j] = int(words[2 * ((i // 8) % 2) + (j // 8) % 2]) >= bound
+        gi, gj = (i // 32) * 8 + i % 8, (j // 32) * 8 + j % 8
+        word = int(philox4x32_10((gj, gi, b * nheads + h, offset), key)[(i // 8) % 4])
+        mask[b, h, i, j] = (word >> (8 * ((j // 8) % 4))) & 0xff >= bound
     return mask
 
 
 @pytest.mark.parametrize("sizes,p,seed,offset", [
     ((2, 3, 37, 21), 0.3, 12345, 0),
     ((1, 2, 16, 48), 0.5, 2**64 - 1, 2**32 - 1),
+    ((1, 1, 70, 66), 0.1, 99, 0),
     ((1, 1, 9, 40), 0.9, 2**40 + 7, 3),
 ])
 def test_dropout_mask_follows_the_spec_element_by_element(sizes, p, seed, offset):
@@ -81,14 +82,19 @@ def test_keep_rate_is_one_minus_p(p):
     keep = cf.dropout_mask(2, 4, 333, 1030, p, seed=7, offset=1)
     assert keep.shape == (2, 4, 333, 1030) and keep.dtype == bool
     assert abs(keep.mean() - (1 - p)) < 0.01
+    # The rate p is used at (a multiple of 1/256): 2.7M draws put the mean within 0.002 of it.
+    assert abs(keep.mean() - (1 - cf.dropout.effective_p(p))) < 0.002
     # No structure along rows or columns: each row's and column's rate is near 1 - p too.
     assert abs(keep.mean(axis=(0, 1, 2)) - (1 - p)).max() < 0.1
     assert abs(keep.mean(axis=(0, 1, 3)) - (1 - p)).max() < 0.1
 
 
 def test_threshold_edges():
-    assert threshold(0.0) == 0 and threshold(0.5) == 2**31
-    assert threshold(np.nextafter(1.0, 0.0)) == 2**32 - 1
+    assert threshold(0.0) == 0 and threshold(0.5) == 128 and threshold(0.1) == 26
+    assert threshold(np.nextafter(1.0, 0.0)) == 255
+    # Any p > 0 drops something: the smallest rate is 1/256, not 0.
+    assert threshold(1e-9) == 1 and cf.dropout.effective_p(1e-9) == 1 / 256
+    assert cf.dropout.effective_p(0.25) == 0.25 and cf.dropout.effective_p(0.1) == 26 / 256
     assert cf.dropout_mask(1, 2, 40, 50, 0.0, seed=3).all()
 
 
@@ -114,7 +120,7 @@ def test_masks_of_longer_sequences_and_more_batch_extend_the_mask():
 
 
 def test_dropout_mask_of_large_sizes_is_cut_in_chunks_consistently(monkeypatch):
-    """Chunks of whole heads and of 16-row bands give the same bits as one call."""
+    """Chunks of whole heads and of 32-row bands give the same bits as one call."""
     whole = cf.dropout_mask(2, 3, 100, 90, 0.3, seed=4)
     from cupyflash import dropout
     for chunk in (100 * 90 * 2, 100 * 90, 16 * 90, 1):
@@ -136,22 +142,20 @@ extern "C" __global__ void philox_words(const unsigned* ctr, const unsigned* key
     out[4 * t] = w.x; out[4 * t + 1] = w.y; out[4 * t + 2] = w.z; out[4 * t + 3] = w.w;
 }
 
-// The keep-mask as a kernel finds it: one thread per group of four elements, grid (groups
+// The keep-mask as a kernel finds it: one thread per group of 16 elements, grid (groups
 // of columns, groups of rows, b * nheads + h).
 extern "C" __global__ void keep_mask(unsigned char* mask, int seqlen_q, int seqlen_k,
                                      unsigned long long seed, unsigned offset,
                                      unsigned threshold) {
     const unsigned gj = blockIdx.x * blockDim.x + threadIdx.x, gi = blockIdx.y, bh = blockIdx.z;
-    const int i = (gi / 8) * 16 + gi % 8, j = (gj / 8) * 16 + gj % 8;
+    const int i = (gi / 8) * 32 + gi % 8, j = (gj / 8) * 32 + gj % 8;
     if (i >= seqlen_q || j >= seqlen_k) return;
-    const unsigned bits = dropout_keep_bits(
-        dropout_words(bh, dropout_group(i), dropout_group(j), offset, philox_key(seed)),
-        threshold);
-    for (int a = 0; a < 2; ++a)
-        for (int c = 0; c < 2; ++c)
+    const uint4 w = dropout_words(bh, dropout_group(i), dropout_group(j), offset, philox_key(seed));
+    for (int a = 0; a < 4; ++a)
+        for (int c = 0; c < 4; ++c)
             if (i + 8 * a < seqlen_q && j + 8 * c < seqlen_k)
                 mask[(static_cast<long long>(bh) * seqlen_q + i + 8 * a) * seqlen_k + j + 8 * c] =
-                    (bits >> (2 * a + c)) & 1;
+                    dropout_kept(w, a, c, threshold);
 }
 """
 SOURCE = (_compile.CUDA_DIR / "philox.cuh").read_text() + KERNELS
@@ -194,7 +198,7 @@ def test_philox_header_gives_the_numpy_words_and_masks_on_the_gpu():
     for (b, h, sq, sk), p, seed, offset in (((2, 3, 77, 130), 0.3, 2**64 - 5, 11),
                                             ((1, 2, 16, 8), 0.9, 0, 2**32 - 1)):
         mask = cupy.full((b * h, sq, sk), 2, cupy.uint8)     # 2: an element left unwritten
-        groups_i, groups_j = -(-sq // 16) * 8, -(-sk // 16) * 8
+        groups_i, groups_j = -(-sq // 32) * 8, -(-sk // 32) * 8
         module.get_function("keep_mask")(
             ((groups_j + 63) // 64, groups_i, b * h), (64,),
             (mask, np.int32(sq), np.int32(sk), np.uint64(seed), np.uint32(offset),
@@ -406,7 +410,7 @@ def test_same_seed_reproduces_other_seeds_and_offsets_differ():
 
 def test_each_kept_weight_is_scaled_and_each_dropped_one_is_zero():
     """With v the identity (one key per value dimension), out[i] is row i of the dropped,
-    scaled attention matrix itself."""
+    scaled attention matrix itself. p = 0.4 is used as 102/256 (a multiple of 1/256)."""
     sq, sk, p = 40, 24, 0.4
     q = random_array(np, (1, sq, 1, sk), np.float64, 60)
     k = random_array(np, (1, sk, 1, sk), np.float64, 61)
@@ -415,7 +419,7 @@ def test_each_kept_weight_is_scaled_and_each_dropped_one_is_zero():
     s = np.einsum("id,jd->ij", q[0, :, 0], k[0, :, 0]) * sk ** -0.5
     probs = np.exp(s - lse[0, 0][:, None])
     keep = cf.dropout_mask(1, 1, sq, sk, p, seed=8)[0, 0]
-    np.testing.assert_allclose(out[0, :, 0], np.where(keep, probs / (1 - p), 0.0), rtol=1e-13,
+    np.testing.assert_allclose(out[0, :, 0], np.where(keep, probs / (1 - 102 / 256), 0.0), rtol=1e-13,
                                atol=1e-16)
 
 
