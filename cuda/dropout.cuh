@@ -38,10 +38,11 @@ struct Dropout {
         static_assert(M % MB == 0 && N % NB == 0 && Calls * PerCall <= 64, "the keep bits fit 64");
         // The 8-row (8-column) part of the band where the fragment's first slice starts.
         const unsigned row_part = MB == 2 ? 0 : (row0 / 8) & 3, col_part = NB == 4 ? 0 : (col0 / 8) & 3;
-        // First the keep bits, one call at a time (a call's four words live briefly, its bits
-        // in one 64-bit word), then the fragment's elements in their fixed places.
+        // First the keep bits (a call's four words live briefly, its bits in one 64-bit word),
+        // then the fragment's elements in their fixed places. Unrolled: calls overlap each
+        // other's latency (one call at a time was 10-15% slower on the H200).
         unsigned long long bits = 0;
-#pragma unroll 1
+#pragma unroll
         for (int call = 0; call < Calls; ++call) {
             const int c = call & 1, nb = (call >> 1) % (N / NB), mb = (call >> 1) / (N / NB);
             const unsigned row = row0 + lane / 4 + 16 * MB * mb, col = col0 + 2 * (lane % 4) + c + 8 * NB * nb;
