@@ -14,6 +14,7 @@
 #include "block_iter.cuh"
 #include "score_mod.cuh"
 #include "dropout.cuh"
+#include "epilogue.cuh"
 
 // Row `row` of head h of a row statistic (lse, D, lse in log2 units).
 template <typename Acc>
@@ -466,24 +467,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         buf ^= Stages - 1;
     }
 
-    // dK = scale * dS^T Q. Stage both tiles in sK / sV (no longer read), then store.
-    cp_async_wait<0>();
-    __syncthreads();
-    if constexpr (V::UserScore) stage_user_grads<true>(p.user);
-    const float scale = static_cast<float>(p.scale);
-#pragma unroll
-    for (int km = 0; km < KM; ++km)
-#pragma unroll
-    for (int i = 0; i < DW / 8; ++i) {
-        const int r = key0 + km * 16 + g, c = qw * DW + i * 8 + 2 * t;
-        store_acc_pairs<Elem>(sK, LD, r, c, dk[km][i], scale);
-        store_acc_pairs<Elem>(sV, LD, r, c, dv[km][i]);
-    }
-    __syncthreads();
-    store_tile<Bc, HeadDim, Threads>(sK, seq.k_row<u16>(p.dk, hk, col0), p.dk.row_stride,
-                                     seq.seqlen_k() - col0, p.headdim, vec_ok);
-    store_tile<Bc, HeadDim, Threads>(sV, seq.k_row<u16>(p.dv, hk, col0), p.dv.row_stride,
-                                     seq.seqlen_k() - col0, p.headdim, vec_ok);
+    // dK = scale * dS^T Q, staged in sK and dV in sV (neither read any more).
+    dkdv_epilogue<Elem, Bc, HeadDim, Threads, V::UserScore>(p, seq, hk, col0, key0, qw * DW, lane, vec_ok, dk, dv,
+                                                            sK, sV);
 }
 
 // Deterministic dQ: one thread block per (query block, head, batch), warps own 16 query rows,
@@ -624,16 +610,5 @@ flash_bwd_dq_kernel(const BwdParams p) {
         }
     }
 
-    // Stage the warp's own rows in sQ (only this warp read them) and store.
-    cp_async_wait<0>();
-    __syncthreads();
-    const float scale = static_cast<float>(p.scale);
-#pragma unroll
-    for (int i = 0; i < DT; ++i) {
-        const int r = warp * 16 + g, c = i * 8 + 2 * t;
-        store_acc_pairs<Elem>(sQ, LD, r, c, dq[i], scale);
-    }
-    __syncthreads();
-    store_tile<Br, HeadDim, Threads>(sQ, seq.q_row<u16>(p.dq, h, row0), p.dq.row_stride,
-                                     seq.seqlen_q() - row0, p.headdim, vec_ok);
+    dq_epilogue<Elem, Br, HeadDim, Threads>(p, seq, h, row0, warp * 16, lane, vec_ok, dq, sQ);
 }

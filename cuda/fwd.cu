@@ -14,6 +14,7 @@
 #include "score_mod.cuh"
 #include "dropout.cuh"
 #include "block_iter.cuh"
+#include "epilogue.cuh"
 
 // Blocks per SM the register allocation must leave room for: three of the double-buffered
 // kernel up to head dim 64 (168 registers), where three of its tiles fit in shared memory
@@ -63,7 +64,6 @@ flash_fwd_kernel(const FwdParams p) {
     const int qblock = at.tile;
     const int row0 = qblock * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;        // mma accumulator: row g (and g+8), columns 2t, 2t+1
     const int wrow = warp * MT * 16;              // the warp's first row in the block
     const bool vec_ok = p.vec_ok != 0;
     const int rows_valid = seq.seqlen_q() - row0;
@@ -200,30 +200,6 @@ flash_fwd_kernel(const FwdParams p) {
         }
     }
 
-    float inv_l[2 * MT], lse[2 * MT];
-    softmax.finalize(mod.mult(), inv_l, lse);
-    if constexpr (V::Dropout)
-#pragma unroll
-        for (int r = 0; r < 2 * MT; ++r) inv_l[r] *= drop.scale;
-
-    // Normalize, stage the warp's own rows of O in sQ (no other warp reads them), then store
-    // the tile with 16-byte writes.
-    cp_async_wait<0>();
-    __syncthreads();   // with no key block, the Q tile may still be landing in sQ
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int r = wrow + mt * 16 + g + 8 * hf;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt)
-                *reinterpret_cast<u32*>(sQ + r * LD + dt * 8 + 2 * t) =
-                    pack2<Elem>(acc[mt][dt][2 * hf] * inv_l[2 * mt + hf],
-                                acc[mt][dt][2 * hf + 1] * inv_l[2 * mt + hf]);
-            if (t == 0 && row0 + r < seq.seqlen_q())
-                static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * mt + hf];
-        }
-    __syncthreads();
-    store_tile<Br, HeadDim, Threads>(sQ, seq.q_row<u16>(p.o, h, row0), p.o.row_stride, rows_valid,
-                                     p.headdim, vec_ok);
+    fwd_epilogue<Elem, Br, HeadDim, Threads>(p, seq, h, row0, wrow, lane, vec_ok, softmax, mod.mult(),
+                                             V::Dropout ? drop.scale : 1.f, acc, sQ);
 }

@@ -1,0 +1,95 @@
+// One epilogue per pass of the tensor-core kernels: a warp's accumulator fragments, scaled per
+// row, go as 16-bit pairs to a shared-memory stage (a tile the main loop no longer reads),
+// and the block's tile leaves in 16-byte rows (store_tile) through SeqInfo's addressing. The
+// forward's also turns the online softmax's statistics into 1/l and lse. Any family whose
+// accumulators have mma.sync's per-warp layout (rows g and g + 8 of each m16 slice, columns
+// 2t and 2t + 1 of each n8 tile) ends its passes here; a pass that writes elsewhere (partial
+// results of a split key range, say) changes these functions, not the kernels.
+#pragma once
+#include "common.cuh"
+#include "seqinfo.cuh"
+#include "softmax.cuh"
+#include "user.cuh"
+
+// Waits until the stage is free: every asynchronous copy has landed (with no key block, the
+// first tile may still be landing) and every warp is done reading.
+__device__ __forceinline__ void epilogue_begin() {
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+// acc[M][N][4]: m16 x n8 fragments whose first row is row0 and first column col0, element
+// pairs (0, 1) on row 16 m + g and (2, 3) on row 16 m + g + 8; each row is multiplied by
+// factor(m, half) (half 0 or 1) on its way to the stage.
+template <typename Elem, int LD, int M, int N, typename Factor>
+__device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const float (&acc)[M][N][4],
+                                           int lane, Factor&& factor) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float f = factor(m, hf);
+            u16* row = stage + (row0 + 16 * m + g + 8 * hf) * LD + col0 + 2 * t;
+#pragma unroll
+            for (int n = 0; n < N; ++n)
+                *reinterpret_cast<u32*>(row + 8 * n) = pack2<Elem>(acc[m][n][2 * hf] * f, acc[m][n][2 * hf + 1] * f);
+        }
+}
+
+// The forward: O = acc / l (times out_scale: dropout's 1 / (1 - p)) of the warp's rows from
+// wrow, lse of every valid row, for the query block at row0 of head h. `stage` is the Q tile.
+template <typename Elem, int Br, int HeadDim, int Threads, int MT, int DT>
+__device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
+                                             int wrow, int lane, bool vec_ok, OnlineSoftmax<2 * MT>& softmax,
+                                             float mult, float out_scale, const float (&acc)[MT][DT][4],
+                                             u16* stage) {
+    float inv_l[2 * MT], lse[2 * MT];
+    softmax.finalize(mult, inv_l, lse);
+    epilogue_begin();
+    stage_rows<Elem, HeadDim + SMEM_PAD>(stage, wrow, 0, acc, lane,
+                                         [&](int m, int hf) { return inv_l[2 * m + hf] * out_scale; });
+    if (lane % 4 == 0)
+#pragma unroll
+        for (int r = 0; r < 2 * MT; ++r) {
+            const int row = row0 + wrow + 16 * (r / 2) + lane / 4 + 8 * (r % 2);
+            if (row < seq.seqlen_q()) static_cast<float*>(p.lse)[seq.stat(h, row)] = lse[r];
+        }
+    __syncthreads();
+    store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.o, h, row0), p.o.row_stride, seq.seqlen_q() - row0,
+                                     p.headdim, vec_ok);
+}
+
+// The dK/dV pass: dK = scale * dk and dV = dv of the warp's keys from key0 and head-dim
+// columns from col, for the key block at col0 of kv head hk, staged in sK and sV; a user
+// score_mod's array gradients, added up in shared memory by the block, go out first.
+template <typename Elem, int Bc, int HeadDim, int Threads, bool UserGrads, int KM, int DN>
+__device__ __forceinline__ void dkdv_epilogue(const BwdParams& p, const SeqInfo<BwdParams>& seq, int hk, int col0,
+                                              int key0, int col, int lane, bool vec_ok,
+                                              const float (&dk)[KM][DN][4], const float (&dv)[KM][DN][4],
+                                              u16* sK, u16* sV) {
+    epilogue_begin();
+    if constexpr (UserGrads) stage_user_grads<true>(p.user);
+    const float scale = static_cast<float>(p.scale);
+    stage_rows<Elem, HeadDim + SMEM_PAD>(sK, key0, col, dk, lane, [&](int, int) { return scale; });
+    stage_rows<Elem, HeadDim + SMEM_PAD>(sV, key0, col, dv, lane, [](int, int) { return 1.f; });
+    __syncthreads();
+    store_tile<Bc, HeadDim, Threads>(sK, seq.k_row<u16>(p.dk, hk, col0), p.dk.row_stride, seq.seqlen_k() - col0,
+                                     p.headdim, vec_ok);
+    store_tile<Bc, HeadDim, Threads>(sV, seq.k_row<u16>(p.dv, hk, col0), p.dv.row_stride, seq.seqlen_k() - col0,
+                                     p.headdim, vec_ok);
+}
+
+// The deterministic dQ pass: dQ = scale * dq of the warp's 16 rows from wrow, for the query
+// block at row0 of head h, staged in `stage` (the Q tile).
+template <typename Elem, int Br, int HeadDim, int Threads, int DT>
+__device__ __forceinline__ void dq_epilogue(const BwdParams& p, const SeqInfo<BwdParams>& seq, int h, int row0,
+                                            int wrow, int lane, bool vec_ok, const float (&dq)[DT][4], u16* stage) {
+    epilogue_begin();
+    const float scale = static_cast<float>(p.scale);
+    stage_rows<Elem, HeadDim + SMEM_PAD>(stage, wrow, 0, reinterpret_cast<const float(&)[1][DT][4]>(dq), lane,
+                                         [&](int, int) { return scale; });
+    __syncthreads();
+    store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.dq, h, row0), p.dq.row_stride, seq.seqlen_q() - row0,
+                                     p.headdim, vec_ok);
+}
