@@ -20,43 +20,53 @@ __device__ __forceinline__ void epilogue_begin() {
 
 // acc[M][N][4]: m16 x n8 fragments whose first row is row0 and first column col0, element
 // pairs (0, 1) on row 16 m + g and (2, 3) on row 16 m + g + 8; each row is multiplied by
-// factor(m, half) (half 0 or 1) on its way to the stage.
-template <typename Elem, int LD, int M, int N, typename Factor>
+// factor(m, half) (half 0 or 1) on its way to the stage, then done(m, half, row) runs.
+template <typename Elem, int LD, int M, int N, typename Factor, typename Done>
 __device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const float (&acc)[M][N][4],
-                                           int lane, Factor&& factor) {
+                                           int lane, Factor&& factor, Done&& done) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
+            const int r = row0 + 16 * m + g + 8 * hf;
             const float f = factor(m, hf);
-            u16* row = stage + (row0 + 16 * m + g + 8 * hf) * LD + col0 + 2 * t;
 #pragma unroll
             for (int n = 0; n < N; ++n)
-                *reinterpret_cast<u32*>(row + 8 * n) = pack2<Elem>(acc[m][n][2 * hf] * f, acc[m][n][2 * hf + 1] * f);
+                *reinterpret_cast<u32*>(stage + r * LD + col0 + 8 * n + 2 * t) =
+                    pack2<Elem>(acc[m][n][2 * hf] * f, acc[m][n][2 * hf + 1] * f);
+            done(m, hf, r);
         }
+}
+
+template <typename Elem, int LD, int M, int N>
+__device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const float (&acc)[M][N][4],
+                                           int lane, float factor) {
+    stage_rows<Elem, LD>(stage, row0, col0, acc, lane, [=](int, int) { return factor; }, [](int, int, int) {});
 }
 
 // The forward: O = acc / l (times out_scale: dropout's 1 / (1 - p)) of the warp's rows from
 // wrow, lse of every valid row, for the query block at row0 of head h. `stage` is the Q tile.
 template <typename Elem, int Br, int HeadDim, int Threads, int MT, int DT>
 __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
-                                             int wrow, int lane, bool vec_ok, OnlineSoftmax<2 * MT>& softmax,
+                                             int rows_valid, int wrow, int lane, bool vec_ok, OnlineSoftmax<2 * MT>& softmax,
                                              float mult, float out_scale, const float (&acc)[MT][DT][4],
                                              u16* stage) {
     float inv_l[2 * MT], lse[2 * MT];
     softmax.finalize(mult, inv_l, lse);
-    epilogue_begin();
-    stage_rows<Elem, HeadDim + SMEM_PAD>(stage, wrow, 0, acc, lane,
-                                         [&](int m, int hf) { return inv_l[2 * m + hf] * out_scale; });
-    if (lane % 4 == 0)
 #pragma unroll
-        for (int r = 0; r < 2 * MT; ++r) {
-            const int row = row0 + wrow + 16 * (r / 2) + lane / 4 + 8 * (r % 2);
-            if (row < seq.seqlen_q()) static_cast<float*>(p.lse)[seq.stat(h, row)] = lse[r];
-        }
+    for (int r = 0; r < 2 * MT; ++r) inv_l[r] *= out_scale;
+    epilogue_begin();
+    // Each row's lse goes out right after its O: ptxas scheduled a separate loop of lse stores
+    // 5% slower at d=128 (benchmarks/NOTES.md).
+    stage_rows<Elem, HeadDim + SMEM_PAD>(
+        stage, wrow, 0, acc, lane, [&](int m, int hf) { return inv_l[2 * m + hf]; },
+        [&](int m, int hf, int r) {
+            if (row0 + r < seq.seqlen_q() && lane % 4 == 0)
+                static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * m + hf];
+        });
     __syncthreads();
-    store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.o, h, row0), p.o.row_stride, seq.seqlen_q() - row0,
+    store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.o, h, row0), p.o.row_stride, rows_valid,
                                      p.headdim, vec_ok);
 }
 
@@ -71,8 +81,8 @@ __device__ __forceinline__ void dkdv_epilogue(const BwdParams& p, const SeqInfo<
     epilogue_begin();
     if constexpr (UserGrads) stage_user_grads<true>(p.user);
     const float scale = static_cast<float>(p.scale);
-    stage_rows<Elem, HeadDim + SMEM_PAD>(sK, key0, col, dk, lane, [&](int, int) { return scale; });
-    stage_rows<Elem, HeadDim + SMEM_PAD>(sV, key0, col, dv, lane, [](int, int) { return 1.f; });
+    stage_rows<Elem, HeadDim + SMEM_PAD>(sK, key0, col, dk, lane, scale);
+    stage_rows<Elem, HeadDim + SMEM_PAD>(sV, key0, col, dv, lane, 1.f);
     __syncthreads();
     store_tile<Bc, HeadDim, Threads>(sK, seq.k_row<u16>(p.dk, hk, col0), p.dk.row_stride, seq.seqlen_k() - col0,
                                      p.headdim, vec_ok);
@@ -87,8 +97,7 @@ __device__ __forceinline__ void dq_epilogue(const BwdParams& p, const SeqInfo<Bw
                                             int wrow, int lane, bool vec_ok, const float (&dq)[DT][4], u16* stage) {
     epilogue_begin();
     const float scale = static_cast<float>(p.scale);
-    stage_rows<Elem, HeadDim + SMEM_PAD>(stage, wrow, 0, reinterpret_cast<const float(&)[1][DT][4]>(dq), lane,
-                                         [&](int, int) { return scale; });
+    stage_rows<Elem, HeadDim + SMEM_PAD>(stage, wrow, 0, reinterpret_cast<const float(&)[1][DT][4]>(dq), lane, scale);
     __syncthreads();
     store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.dq, h, row0), p.dq.row_stride, seq.seqlen_q() - row0,
                                      p.headdim, vec_ok);

@@ -200,6 +200,6 @@ flash_fwd_kernel(const FwdParams p) {
         }
     }
 
-    fwd_epilogue<Elem, Br, HeadDim, Threads>(p, seq, h, row0, wrow, lane, vec_ok, softmax, mod.mult(),
+    fwd_epilogue<Elem, Br, HeadDim, Threads>(p, seq, h, row0, rows_valid, wrow, lane, vec_ok, softmax, mod.mult(),
                                              V::Dropout ? drop.scale : 1.f, acc, sQ);
 }
