@@ -12,6 +12,9 @@ Every function works on NumPy or CuPy arrays alike (``xp`` is taken from the inp
 Dropout enters each of them as ``dropout``: the multiplier ``keep / (1 - effective_p)``, (batch,
 nheads, seqlen_q, seqlen_k), ``keep`` the public ``cupyflash.dropout_mask`` (``dropout_scale``
 builds it); it multiplies P after the softmax (lse is that of the undropped softmax).
+
+A user score_mod enters them as ``score_mod``, spelled out densely (see ``_scores``), a mask_mod
+as the element ``mask`` it gives.
 """
 import numpy as np
 
@@ -156,26 +159,39 @@ def _unrounded(x):
 
 
 def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, bias=None, rounded=_unrounded):
+            alibi_slopes=None, bias=None, score_mod=None, rounded=_unrounded):
     """(b, h, sq, sk) scores, k already repeated to h heads, in FlashAttention 2's order:
-    ``s = q k^T * scale``; with ``softcap``, ``softcap * tanh(s / softcap)``; with
-    ``alibi_slopes`` ((h,) or (b, h)), plus ``-slope * |i + sk - sq - j|``; with ``bias``
-    (an additive score_mod spelled out densely, broadcasting to (b, h, sq, sk)), plus
-    ``bias``; then -inf where masked: the band of ``causal`` and ``window_size``
-    (``visible``) and ``mask`` (bool (h or 1, sq, sk), or (b or 1, h or 1, sq, sk) for a
-    mask that varies over the batch; True where visible). Each stage's result goes through
+    ``s = q k^T * scale``; with ``score_mod``, ``score_mod(s)``; with ``softcap``, ``softcap *
+    tanh(s / softcap)``; with ``alibi_slopes`` ((h,) or (b, h)), plus ``-slope * |i + sk - sq -
+    j|``; with ``bias`` (an additive score_mod spelled out densely, broadcasting to (b, h, sq,
+    sk)), plus ``bias``; then -inf where masked: the band of ``causal`` and ``window_size``
+    (``visible``) and ``mask`` (bool (h or 1, sq, sk), or (b or 1, h or 1, sq, sk) for a mask
+    that varies over the batch; True where visible). Each stage's result goes through
     ``rounded``.
 
-    Returns ``(s, dcap)``: ``dcap = 1 - tanh(s / softcap)**2``, the derivative of the cap
-    (None without softcap)."""
+    ``score_mod``: a user score_mod spelled out densely, a callable taking the scores ``s``
+    and returning the modified scores, their derivative d new / d s (None where it is 1) and
+    ``tables(ds, sizes=False)``: the gradients of the mod's arrays (a dict of host NumPy
+    arrays) from ``ds`` = d loss / d the modified scores, added up one term at a time in
+    float64 for float64 ``ds``, else in float32 (as a naive implementation would); with
+    ``sizes``, the sums of the terms' absolute values. Never with softcap or ALiBi (the call
+    refuses them together).
+
+    Returns ``(s, dmod, tables)``: ``dmod`` = d s / d (q k^T * scale) through the softcap or
+    the score_mod (None where it is 1), ``tables`` the score_mod's (None without one)."""
     xp = get_xp(q)
     b, sq, h, _ = q.shape
     sk = k.shape[1]
     s = rounded(_einsum("bihd,bjhd->bhij", q, k) * scale)
-    dcap = None
+    dmod = tables = None
+    if score_mod is not None:
+        assert not softcap and alibi_slopes is None, "score_mod with softcap or ALiBi"
+        s, dmod, tables = score_mod(s)
+        s = rounded(s)
+        dmod = None if dmod is None else rounded(dmod)
     if softcap:
         capped = xp.tanh(s / softcap)
-        dcap = rounded(1 - capped * capped)
+        dmod = rounded(1 - capped * capped)
         s = rounded(softcap * capped)
     if alibi_slopes is not None:
         slopes = xp.asarray(alibi_slopes).reshape(-1, h)[:, :, None, None]     # (b or 1, h)
@@ -188,20 +204,21 @@ def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
     if mask is not None:
         mask = xp.asarray(mask, dtype=bool)
         s = xp.where(mask if mask.ndim == 4 else mask[None], s, -xp.inf)
-    return s, dcap
+    return s, dmod, tables
 
 
 def attention_ref(q, k, v, scale, causal, mask=None, dropout=None, **variant):
     """Full-matrix attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq).
-    ``mask``: optional element mask, bool (h or 1, sq, sk), True where visible (e.g.
-    ``BlockMask.to_dense()``), ANDed with causal. ``dropout``: the multiplier of P
-    (``dropout_scale``) or None. ``variant``: ``window_size``, ``softcap``,
-    ``alibi_slopes`` with ``flash_attention``'s meaning (see ``_scores``)."""
+    ``mask``: optional element mask, bool (h or 1, sq, sk) or (b or 1, h or 1, sq, sk), True
+    where visible (e.g. ``BlockMask.to_dense()``), ANDed with causal. ``dropout``: the
+    multiplier of P (``dropout_scale``) or None. ``variant``: ``window_size``, ``softcap``,
+    ``alibi_slopes`` with ``flash_attention``'s meaning, ``bias`` and a dense ``score_mod``
+    (see ``_scores``)."""
     xp = get_xp(q, k, v)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
     h = q.shape[2]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
-    s, _ = _scores(q, k, scale, causal, mask, **_float64(variant, xp))
+    s, _, _ = _scores(q, k, scale, causal, mask, **_float64(variant, xp))
     p, lse = _softmax(s, xp)
     if dropout is not None:
         p = p * dropout
@@ -210,19 +227,27 @@ def attention_ref(q, k, v, scale, causal, mask=None, dropout=None, **variant):
 
 
 def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None,
-                           return_ds=False, **variant):
+                           return_ds=False, out=None, **variant):
     """Gradients of ``attention_ref`` in float64, by the explicit formulas on the full matrix:
-    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), times the cap's derivative
-    with softcap (the ALiBi bias and an additive ``bias`` are constants), dQ = dS K * scale,
-    dK = dS^T Q * scale; dk and dv summed over the query heads of each group. With
-    ``dropout`` (the multiplier Z): dV = (P Z)^T dO, and dP = (dO V^T) Z in dS (whose
-    rowsum(P dP) is then rowsum(dO * O)). ``return_ds``: also dS, (b, h, sq, sk), d loss / d
-    the final scores, of which the gradient of an additive bias is a sum."""
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), times the derivative of the
+    softcap or the ``score_mod`` (the ALiBi bias and an additive ``bias`` are constants),
+    dQ = dS K * scale, dK = dS^T Q * scale; dk and dv summed over the query heads of each
+    group. With ``dropout`` (the multiplier Z): dV = (P Z)^T dO, and dP = (dO V^T) Z in dS
+    (whose rowsum(P dP) is then rowsum(dO * O)). ``out``: that row sum taken as rowsum(dO *
+    out) from this out instead, as ``flash_attention_backward`` takes it from the out it is
+    handed (rounded to the input dtype by the forward).
+
+    Returns (dq, dk, dv); with a ``score_mod`` then two dicts by array name: the gradients
+    of its arrays, and the sizes of their terms with dS replaced by P * (|dP| +
+    |rowsum(P * dP)|), the scale of the rounding a computed dS carries (a check's magnitude
+    where the terms cancel: to exactly 0 where each row sees one key, dS = 0); with
+    ``return_ds`` last dS, (b, h, sq, sk), d loss / d the final scores, of which the gradient
+    of an additive bias is a sum."""
     xp = get_xp(dout, q, k, v)
     dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
     h, hk = q.shape[2], k.shape[2]
     k_h, v_h = _repeat_kv(k, h), _repeat_kv(v, h)
-    s, dcap = _scores(q, k_h, scale, causal, mask, **_float64(variant, xp))
+    s, dmod, tables = _scores(q, k_h, scale, causal, mask, **_float64(variant, xp))
     p, _ = _softmax(s, xp)
     dp = _einsum("bihd,bjhd->bhij", dout, v_h)
     if dropout is None:
@@ -230,14 +255,18 @@ def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None
     else:
         dv = _einsum("bhij,bihd->bjhd", p * dropout, dout)
         dp = dp * dropout
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-    if dcap is not None:
-        ds = ds * dcap
-    dq = _einsum("bhij,bjhd->bihd", ds, k_h) * scale
-    dk = _einsum("bhij,bihd->bjhd", ds, q) * scale
-    if return_ds:
-        return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), ds
-    return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
+    if out is None:
+        rows = (p * dp).sum(axis=-1, keepdims=True)
+    else:
+        rows = (dout * out.astype(xp.float64)).sum(axis=-1).transpose(0, 2, 1)[..., None]
+    ds = p * (dp - rows)
+    ds_in = ds if dmod is None else ds * dmod
+    dq = _einsum("bhij,bjhd->bihd", ds_in, k_h) * scale
+    dk = _einsum("bhij,bihd->bjhd", ds_in, q) * scale
+    result = (dq, _sum_groups(dk, hk), _sum_groups(dv, hk))
+    if tables is not None:
+        result += (tables(ds), tables(p * (xp.abs(dp) + xp.abs(rows)), sizes=True))
+    return result + (ds,) if return_ds else result
 
 
 def dropout_scale(xp, batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
@@ -263,22 +292,23 @@ def _float64(variant, xp):
 
 def _naive_probs(q, k, scale, causal, dtype, mask=None, **variant):
     """Rounded operands and P = round(softmax(S)), S the scores with each stage (q k^T *
-    scale, softcap, ALiBi bias, ``bias``) computed in float32 and rounded to ``dtype``; also the
-    rounded derivative of the cap (None without softcap)."""
+    scale, score_mod, softcap, ALiBi bias, ``bias``) computed in float32 and rounded to
+    ``dtype``; also the rounded derivative of the softcap or score_mod (None where it is 1) and
+    the score_mod's table gradients (``_scores``)."""
     xp = get_xp(q, k)
     q, k = round_to(q, dtype), round_to(k, dtype)
     k_h = _repeat_kv(k, q.shape[2])
-    s, dcap = _scores(q, k_h, scale, causal, mask, **variant,
-                      rounded=lambda x: round_to(x, dtype))
+    s, dmod, tables = _scores(q, k_h, scale, causal, mask, **variant,
+                              rounded=lambda x: round_to(x, dtype))
     p, lse = _softmax(s, xp)
-    return q, k_h, round_to(p, dtype), round_to(lse, dtype), dcap
+    return q, k_h, round_to(p, dtype), round_to(lse, dtype), dmod, tables
 
 
 def attention_naive(q, k, v, scale, causal, dtype, mask=None, dropout=None, **variant):
     """Standard attention as a naive ``dtype`` implementation computes it (S, P, the dropped
     P and O each rounded to ``dtype``). Returns (out, lse) as float32 (float64 for
     "float64")."""
-    _, _, p, lse, _ = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
+    _, _, p, lse, _, _ = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
     if dropout is not None:
         p = round_to(p * dropout, dtype)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
@@ -289,11 +319,13 @@ def attention_naive(q, k, v, scale, causal, dtype, mask=None, dropout=None, **va
 def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None, dropout=None,
                              return_ds=False, **variant):
     """Gradients as a naive ``dtype`` implementation computes them: P recomputed as in
-    ``attention_naive``, then dV, dP (dropped), dS (through the cap), dQ and dK each
-    computed in float32 from rounded operands and rounded to ``dtype``. Returns (dq, dk,
-    dv), and the rounded dS with ``return_ds``."""
+    ``attention_naive``, then dV, dP (dropped), dS (then through the softcap or score_mod),
+    dQ and dK each computed in float32 from rounded operands and rounded to ``dtype``.
+    Returns (dq, dk, dv); with a ``score_mod`` then the gradients of its arrays from the
+    rounded dS (a dict, added up in float32, float64 for "float64"); with ``return_ds`` last
+    the rounded dS."""
     hk = k.shape[2]
-    q, k_h, p, _, dcap = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
+    q, k_h, p, _, dmod, tables = _naive_probs(q, k, scale, causal, dtype, mask, **variant)
     v_h = _repeat_kv(round_to(v, dtype), q.shape[2])
     dout = round_to(dout, dtype)
     p_out = p if dropout is None else round_to(p * dropout, dtype)
@@ -302,11 +334,13 @@ def attention_naive_backward(dout, q, k, v, scale, causal, dtype, mask=None, dro
     if dropout is not None:
         dp = round_to(dp * dropout, dtype)
     ds = round_to(p * (dp - (p * dp).sum(axis=-1, keepdims=True)), dtype)
-    if dcap is not None:
-        ds = round_to(ds * dcap, dtype)
-    dq = round_to(_einsum("bhij,bjhd->bihd", ds, k_h) * scale, dtype)
-    dk = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", ds, q) * scale, hk), dtype)
-    return (dq, dk, dv, ds) if return_ds else (dq, dk, dv)
+    ds_in = ds if dmod is None else round_to(ds * dmod, dtype)
+    dq = round_to(_einsum("bhij,bjhd->bihd", ds_in, k_h) * scale, dtype)
+    dk = round_to(_sum_groups(_einsum("bhij,bihd->bjhd", ds_in, q) * scale, hk), dtype)
+    result = (dq, dk, dv)
+    if tables is not None:
+        result += (tables(ds),)
+    return result + (ds,) if return_ds else result
 
 
 # ---------------------------------------------------------------------------------------------

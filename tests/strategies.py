@@ -1,12 +1,15 @@
 """Hypothesis strategies for fuzzing cupyflash, built around one frozen description of a call.
 
 A ``Case`` holds everything a call and its check need (dtype, shape, causal, softmax_scale,
-window_size, softcap, ALiBi, dropout, memory layout, block mask, deterministic flag and the
-seed of the random inputs) as plain values, so that its repr is a complete, runnable
+window_size, softcap, ALiBi, dropout, user mods, memory layout, block mask, deterministic flag
+and the seed of the random inputs) as plain values, so that its repr is a complete, runnable
 reproducer: ``Case(...).inputs(np)`` gives the same arrays every time,
 ``Case(...).block_mask()`` the same mask, ``Case(...).variant(np)`` the same variant keywords
-(ALiBi slopes included), ``Case(...).dropout`` the dropout keywords and
-``Case(...).dropout_scale(np)`` the reference's dropout multiplier.
+(ALiBi slopes included), ``Case(...).dropout`` the dropout keywords,
+``Case(...).dropout_scale(np)`` the reference's dropout multiplier, ``Case(...).user_mods(np)``
+the ``score_mod``/``mask_mod`` keywords (their arrays drawn from ``mods.seed``) and
+``Case(...).dense_score_mod(np)`` / ``Case(...).element_mask(...)`` the reference's spelling of
+them.
 
 Strategies are small pieces that a test composes::
 
@@ -19,8 +22,14 @@ Strategies are small pieces that a test composes::
 A new call feature (dropout, ...) becomes one more field of ``Case`` with a default that turns
 it off, one more keyword of ``cases`` whose default draws that value, and whatever the feature
 needs in ``inputs``/``block_mask``/``variant``; existing tests keep drawing the same cases
-(``window_size``, ``softcap``, ``alibi`` and ``dropout`` came in this way: ``windows``,
-``softcaps``, ``alibis``, ``dropouts``).
+(``window_size``, ``softcap``, ``alibi``, ``dropout`` and ``mods`` came in this way:
+``windows``, ``softcaps``, ``alibis``, ``dropouts``, ``user_mods``).
+
+User mods come from a small fixed library (``SCORE_MODS``, ``MASK_MODS``): the GPU compiles
+its kernels per snippet text, so the texts are a fixed handful and only the contents of their
+arrays vary with the case. Each entry holds its CUDA snippets, its Python rules for the NumPy
+path, and a dense spelling of the same rule for tests/reference.py, written apart from the
+Python rule so that a wrong rule on either path shows as a mismatch.
 
 Helpers shared by the fuzz tests live here too: ``Case.visibility`` (which query rows and keys
 see nothing), ``assert_zero_where_unseen`` (exact zeros there), the settings profiles and the
@@ -28,8 +37,9 @@ per-family example counts printed at the end of the pytest session.
 """
 import collections
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from hypothesis import HealthCheck, reject, settings
@@ -167,6 +177,18 @@ class Dropout:
 
 
 @dataclass(frozen=True)
+class Mods:
+    """A call's user mods: ``score`` a key of ``SCORE_MODS``, ``mask`` one of ``MASK_MODS``
+    (None: without), their arrays drawn from ``seed``. ``min_keys``: the fewest keys a
+    document or a local window of the mask mods holds (a row that sees one key has dS = 0
+    exactly, which tests/test_fuzz_gpu.py's fp16/bf16 checks keep from being every row)."""
+    score: Optional[str] = None
+    mask: Optional[str] = None
+    seed: int = 0
+    min_keys: int = 1
+
+
+@dataclass(frozen=True)
 class Case:
     """One call: its dtype (a key of ``DTYPE_NAMES``), sizes, flags, layout, mask and the seed
     of its random inputs. The field names are the ones tests/gpu_checks.py reads."""
@@ -183,6 +205,7 @@ class Case:
     softcap: float = 0.0
     alibi: Optional[str] = None     # None, "heads" ((nheads,) slopes) or "batch" ((batch, nheads))
     dropout: Dropout = Dropout()
+    mods: Mods = Mods()
     layout: Layout = Layout()
     mask: Optional[MaskSpec] = None
     deterministic: bool = False
@@ -219,6 +242,39 @@ class Case:
         """The reference's ``dropout`` multiplier of this case, or None."""
         return self.dropout.scale(xp, self.batch, self.nheads, self.sq, self.sk)
 
+    def _mod_arrays(self):
+        """(score_mod's, mask_mod's) host arrays by name, drawn from ``mods.seed``."""
+        rng = np.random.default_rng(self.mods.seed)
+        score = SCORE_MODS[self.mods.score].arrays(self, rng) if self.mods.score else {}
+        mask = MASK_MODS[self.mods.mask].arrays(self, rng) if self.mods.mask else {}
+        return score, mask
+
+    def user_mods(self, xp):
+        """The keywords ``score_mod`` and ``mask_mod`` of the call (a ``cupyflash.ScoreMod``
+        / ``MaskMod`` over ``xp`` arrays, or None)."""
+        score, mask = self._mod_arrays()
+        return dict(score_mod=SCORE_MODS[self.mods.score].build(score, xp) if score else None,
+                    mask_mod=MASK_MODS[self.mods.mask].build(mask, xp) if mask else None)
+
+    def dense_score_mod(self, xp):
+        """The reference's ``score_mod`` (``_scores`` in tests/reference.py) spelling this
+        case's, over ``xp`` arrays; None without one."""
+        if self.mods.score is None:
+            return None
+        arrays = {n: xp.asarray(a) for n, a in self._mod_arrays()[0].items()}
+        return functools.partial(SCORE_MODS[self.mods.score].dense, **arrays)
+
+    def element_mask(self, block_mask, xp):
+        """The element mask the reference applies on top of the band, as an ``xp`` array:
+        ``block_mask.to_dense()`` (heads or 1, sq, sk), or the mask_mod's (batch or 1, heads
+        or 1, sq, sk); None without either (the call refuses the two together)."""
+        if block_mask is not None:
+            return xp.asarray(block_mask.to_dense())
+        if self.mods.mask is None:
+            return None
+        arrays = {n: xp.asarray(a) for n, a in self._mod_arrays()[1].items()}
+        return MASK_MODS[self.mods.mask].dense(self.sq, self.sk, xp, **arrays)
+
     def inputs(self, xp):
         """q, k, v and dout of this case (NumPy or CuPy), laid out as ``self.layout`` says,
         standard-normal and never zero; the same arrays for the same case."""
@@ -253,17 +309,251 @@ class Case:
         raise ValueError(f"unknown layout {kind!r}")
 
     def visibility(self, elem, xp=np):
-        """Which key each query row sees, bool (heads, seqlen_q, seqlen_k) with heads 1 or
-        nheads: ``elem`` (the block mask's ``to_dense()`` as an ``xp`` array, or None) ANDed
-        with the call's band (causal and window_size, tests/reference.py's ``visible``);
-        None when every row sees every key."""
+        """Which key each query row sees, bool (batch or 1, heads or 1, seqlen_q, seqlen_k):
+        ``elem`` (``element_mask``, or None) ANDed with the call's band (causal and
+        window_size, tests/reference.py's ``visible``); None when every row sees every key."""
         banded = self.causal or self.window_size != (-1, -1)
         if elem is None and not banded:
             return None
-        seen = xp.ones((1, self.sq, self.sk), bool) if elem is None else elem
+        if elem is None:
+            seen = xp.ones((1, 1, self.sq, self.sk), bool)
+        else:
+            seen = elem if elem.ndim == 4 else elem[None]
         if banded:
             seen = seen & visible(xp, self.sq, self.sk, self.causal, self.window_size)
         return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# User mods: the library
+
+@dataclass(frozen=True)
+class ScoreModEntry:
+    """A score_mod of the library: its CUDA rule and gradient, its Python rule and gradient
+    (``cupyflash.ScoreMod``), ``arrays(case, rng)`` the host arrays it reads by name,
+    ``grad_arrays`` those whose gradient the backward returns, and ``dense(s, **arrays)`` the
+    same rule on the reference's (batch, nheads, seqlen_q, seqlen_k) scores, returning what
+    tests/reference.py's ``_scores`` asks of a ``score_mod``."""
+    cuda: str
+    grad: str
+    python: Callable
+    python_grad: Callable
+    arrays: Callable
+    dense: Callable
+    grad_arrays: tuple = ()
+
+    def build(self, arrays, xp):
+        return cf.ScoreMod(self.cuda, grad=self.grad, python=self.python,
+                           python_grad=self.python_grad,
+                           arrays={n: xp.asarray(a) for n, a in arrays.items()},
+                           grad_arrays=self.grad_arrays)
+
+
+@dataclass(frozen=True)
+class MaskModEntry:
+    """A mask_mod of the library: its CUDA and Python rules (``cupyflash.MaskMod``),
+    ``arrays(case, rng)`` the host arrays it reads by name, and ``dense(seqlen_q, seqlen_k, xp,
+    **arrays)`` its element mask, bool (batch or 1, nheads or 1, seqlen_q, seqlen_k)."""
+    cuda: str
+    python: Callable
+    arrays: Callable
+    dense: Callable
+
+    def build(self, arrays, xp):
+        return cf.MaskMod(self.cuda, python=self.python,
+                          arrays={n: xp.asarray(a) for n, a in arrays.items()})
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def _table_sum(terms, index, size, sizes):
+    """The ``size`` sums of ``terms`` by flat table ``index`` (NumPy or CuPy arrays that
+    broadcast together), on the host, added one term at a time in float64 for float64 terms,
+    else in float32 (a naive implementation's order); of |terms| with ``sizes``."""
+    terms, index = np.broadcast_arrays(_host(terms), _host(index))
+    dtype = np.float64 if terms.dtype == np.float64 else np.float32
+    out = np.zeros(size, dtype)
+    np.add.at(out, index.ravel(), (np.abs(terms) if sizes else terms).ravel().astype(dtype))
+    return out
+
+
+# T5-style relative-position bias: the offset kv_idx - q_idx, moved to 0..2W by W (half the
+# bucket table's length, W = max(seqlen_q, seqlen_k): the snippet text is the same for every
+# shape), picks a bucket, and the bucket a per-head bias.
+_OFFSET = "kv_idx - q_idx + bucket.shape(0) / 2"
+
+
+def _relative_bias_arrays(case, rng):
+    """bias (nheads, n) float32, n = 2..32 buckets, at one of three scales; bucket (2 W,)
+    int32, the bucket of each offset, at random (T5's log-spaced map is one such; random ones
+    make near and far offsets share entries, whose gradients then add up across the
+    matrix)."""
+    n = int(rng.integers(2, 33))
+    scale = rng.choice((0.1, 1.0, 3.0))
+    return {"bias": (scale * rng.standard_normal((case.nheads, n))).astype(np.float32),
+            "bucket": rng.integers(0, n, 2 * max(case.sq, case.sk)).astype(np.int32)}
+
+
+def _relative_bias(score, b, h, q_idx, kv_idx, bias, bucket):
+    return score + bias[h, bucket[kv_idx - q_idx + len(bucket) // 2]]
+
+
+def _relative_bias_grad(score, dscore, b, h, q_idx, kv_idx, bias, bucket, d_bias):
+    hh, entry, ds = np.broadcast_arrays(h, bucket[kv_idx - q_idx + len(bucket) // 2], dscore)
+    np.add.at(d_bias, (hh, entry), ds)
+    return dscore
+
+
+def _relative_bias_dense(s, bias, bucket):
+    xp = get_xp(s)
+    _, h, sq, sk = s.shape
+    # (sq, sk): the bucket of key j seen from query i.
+    entry = bucket[xp.arange(sk)[None, :] - xp.arange(sq)[:, None] + bucket.shape[0] // 2]
+    heads = xp.arange(h)[:, None, None]
+
+    def tables(ds, sizes=False):
+        flat = heads * bias.shape[1] + entry
+        return {"bias": _table_sum(ds, flat, bias.size, sizes).reshape(bias.shape)}
+
+    return s + bias[heads, entry].astype(s.dtype), None, tables
+
+
+# ALiBi spelled as a score_mod, with slopes per (batch entry, head) and the distance from the
+# top-left diagonal (the built-in's is bottom-right). The slope is cast to the score's type
+# first so that the float64 kernels multiply in float64.
+def _linear_bias_arrays(case, rng):
+    """slopes (batch, nheads) float32 in [1/256, 1], the range of ALiBi's."""
+    return {"slopes": (2.0 ** -rng.uniform(0, 8, (case.batch, case.nheads))).astype(np.float32)}
+
+
+def _linear_bias(score, b, h, q_idx, kv_idx, slopes):
+    return score - slopes[b, h] * np.abs(q_idx - kv_idx)
+
+
+def _passes_through(score, dscore, b, h, q_idx, kv_idx, **arrays):
+    return dscore
+
+
+def _linear_bias_dense(s, slopes):
+    xp = get_xp(s)
+    _, _, sq, sk = s.shape
+    distance = xp.abs(xp.arange(sq)[:, None] - xp.arange(sk)[None, :])
+
+    def tables(ds, sizes=False):
+        return {}
+
+    return s - slopes.astype(s.dtype)[:, :, None, None] * distance, None, tables
+
+
+# A nonlinear score_mod: a tanh cap per head, written in the snippet, whose cap is learned
+# (its gradient gathers every element of the head).
+def _tanh_cap_arrays(case, rng):
+    """cap (nheads,) float32 from well inside the scores' range (0.5) to past it (8)."""
+    return {"cap": rng.uniform(0.5, 8.0, case.nheads).astype(np.float32)}
+
+
+def _tanh_cap(score, b, h, q_idx, kv_idx, cap):
+    return cap[h] * np.tanh(score / cap[h])
+
+
+def _tanh_cap_grad(score, dscore, b, h, q_idx, kv_idx, cap, d_cap):
+    u = score / cap[h]
+    t = np.tanh(u)
+    hh, contrib = np.broadcast_arrays(h, dscore * (t - u * (1 - t * t)))
+    np.add.at(d_cap, hh, contrib)
+    return dscore * (1 - t * t)
+
+
+def _tanh_cap_dense(s, cap):
+    xp = get_xp(s)
+    c = cap.astype(s.dtype)[:, None, None]
+    capped = xp.tanh(s / c)
+    heads = xp.arange(cap.shape[0])[:, None, None]
+
+    def tables(ds, sizes=False):
+        # d (c tanh(s / c)) / dc = tanh(s / c) - s / c * tanh'(s / c)
+        terms = ds * (capped - s / c * (1 - capped * capped))
+        return {"cap": _table_sum(terms, heads, cap.size, sizes)}
+
+    return c * capped, 1 - capped * capped, tables
+
+
+SCORE_MODS = {
+    "relative_bias": ScoreModEntry(
+        f"score + bias(h, bucket[{_OFFSET}])",
+        grad=f"d_bias.add(bias.offset(h, bucket[{_OFFSET}]), dscore);\nreturn dscore;",
+        python=_relative_bias, python_grad=_relative_bias_grad, arrays=_relative_bias_arrays,
+        dense=_relative_bias_dense, grad_arrays=("bias",)),
+    "linear_bias": ScoreModEntry(
+        "score - static_cast<decltype(score)>(slopes(b, h)) * abs(q_idx - kv_idx)",
+        grad="dscore", python=_linear_bias, python_grad=_passes_through,
+        arrays=_linear_bias_arrays, dense=_linear_bias_dense),
+    "tanh_cap": ScoreModEntry(
+        "cap[h] * tanh(score / cap[h])",
+        grad="const auto u = score / cap[h];\nconst auto t = tanh(u);\n"
+             "d_cap.add(h, dscore * (t - u * (1 - t * t)));\nreturn dscore * (1 - t * t);",
+        python=_tanh_cap, python_grad=_tanh_cap_grad, arrays=_tanh_cap_arrays,
+        dense=_tanh_cap_dense, grad_arrays=("cap",)),
+}
+
+
+# Document mask: a query sees the keys of its own document (per batch entry).
+def _document_arrays(case, rng):
+    """doc (batch, L) int32, L = max(seqlen_q, seqlen_k): per batch entry 1 to 8 consecutive
+    documents of random lengths, mods.min_keys tokens or more each (all L if fewer)."""
+    length = max(case.sq, case.sk)
+    span = min(case.mods.min_keys, length)
+    ids = []
+    for _ in range(case.batch):
+        n = int(rng.integers(1, min(8, length // span) + 1))
+        lengths = span + rng.multinomial(length - n * span, rng.dirichlet(np.ones(n)))
+        ids.append(np.repeat(np.arange(n), lengths))
+    return {"doc": np.stack(ids).astype(np.int32)}
+
+
+def _document_dense(sq, sk, xp, doc):
+    return (doc[:, :sq, None] == doc[:, None, :sk])[:, None]
+
+
+# Prefix-LM: the keys of the prefix (its length per batch entry) are seen by every query, the
+# others causally (aligned top-left; causal=True ANDs the built-in bottom-right rule).
+def _prefix_arrays(case, rng):
+    """prefix (batch,) int32 in 0..seqlen_k."""
+    return {"prefix": rng.integers(0, case.sk + 1, case.batch).astype(np.int32)}
+
+
+def _prefix_dense(sq, sk, xp, prefix):
+    rows, cols = xp.arange(sq)[:, None], xp.arange(sk)[None, :]
+    return ((cols <= rows)[None] | (cols[None] < prefix[:, None, None]))[:, None]
+
+
+# A local window per head: the keys within width[h] of the query's index.
+def _local_arrays(case, rng):
+    """width (nheads,) int32: at least mods.min_keys // 2 (2 width + 1 keys on a row), then up
+    to 8 more, or up to max(seqlen_q, seqlen_k)."""
+    low = case.mods.min_keys // 2
+    high = low + 8 if rng.random() < 0.5 else max(low, case.sq, case.sk)
+    return {"width": rng.integers(low, high + 1, case.nheads).astype(np.int32)}
+
+
+def _local_dense(sq, sk, xp, width):
+    distance = xp.abs(xp.arange(sq)[:, None] - xp.arange(sk)[None, :])
+    return (distance[None] <= width[:, None, None])[None]
+
+
+MASK_MODS = {
+    "document": MaskModEntry(
+        "doc(b, q_idx) == doc(b, kv_idx)", arrays=_document_arrays, dense=_document_dense,
+        python=lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx]),
+    "prefix_lm": MaskModEntry(
+        "kv_idx <= q_idx || kv_idx < prefix[b]", arrays=_prefix_arrays, dense=_prefix_dense,
+        python=lambda b, h, q_idx, kv_idx, prefix: (kv_idx <= q_idx) | (kv_idx < prefix[b])),
+    "local": MaskModEntry(
+        "abs(q_idx - kv_idx) <= width[h]", arrays=_local_arrays, dense=_local_dense,
+        python=lambda b, h, q_idx, kv_idx, width: np.abs(q_idx - kv_idx) <= width[h]),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,6 +716,24 @@ def maybe_block_masks(shape):
     return st.one_of(st.none(), block_masks(shape))
 
 
+def no_mods(score, mask):
+    return st.just(Mods())
+
+
+@st.composite
+def user_mods(draw, score, mask, min_keys=1, one_in=2):
+    """Mods from the library in about one case in ``one_in``: a score_mod where ``score``
+    (the call allows one: no softcap or ALiBi), a mask_mod where ``mask`` (no window or block
+    mask), or both; the pair drawn as one value (so that each pair comes up alike), the
+    arrays' contents from a drawn seed."""
+    pairs = [(s, m) for s in (None, *SCORE_MODS) if score or s is None
+             for m in (None, *MASK_MODS) if mask or m is None if (s, m) != (None, None)]
+    if not pairs or not draw(st.sampled_from((False,) * (one_in - 1) + (True,))):
+        return Mods()
+    score_name, mask_name = draw(st.sampled_from(pairs))
+    return Mods(score_name, mask_name, draw(st.integers(0, 2**31 - 1)), min_keys)
+
+
 def input_seeds():
     # The inputs take seed .. seed + 3 (q, k, v, dout).
     return st.integers(0, 2**31 - 8)
@@ -434,20 +742,29 @@ def input_seeds():
 @st.composite
 def cases(draw, *, dtype, shape, causal=st.booleans(), softmax_scale=softmax_scales,
           window=no_window, softcap=st.just(0.0), alibi=st.just(None),
-          dropout=st.just(Dropout()), layout=layouts, mask=no_mask, deterministic=st.booleans()):
+          dropout=st.just(Dropout()), layout=layouts, mask=no_mask, deterministic=st.booleans(),
+          mods=no_mods):
     """A Case. ``dtype``, ``shape``, ``causal``, ``softcap`` (``softcaps``), ``alibi``
     (``alibis``), ``dropout`` (``dropouts``) and ``deterministic`` are strategies;
     ``softmax_scale``, ``window``, ``layout`` and ``mask`` are functions of the drawn Shape
     that return strategies (``no_mask``, ``block_masks``, ``maybe_block_masks``;
     ``no_window``, ``windows``, ``maybe_windows``, never with a mask: the call refuses the two
     together; ``layouts``, or e.g. ``lambda s: layouts(s, kinds=("contiguous",))``;
-    ``softmax_scales``)."""
+    ``softmax_scales``). ``mods`` (``no_mods``, ``user_mods``) is a function of the keyword
+    arguments ``score`` and ``mask``, whether the rest of the case allows a score_mod and a
+    mask_mod, that returns a strategy; it is drawn last."""
     s = draw(shape)
-    return Case(dtype=draw(dtype), **dataclasses.asdict(s), causal=draw(causal),
-                softmax_scale=draw(softmax_scale(s)), window_size=draw(window(s)),
-                softcap=draw(softcap), alibi=draw(alibi), dropout=draw(dropout),
-                layout=draw(layout(s)), mask=draw(mask(s)), deterministic=draw(deterministic),
-                seed=draw(input_seeds()))
+    fields = dict(dtype=draw(dtype), **dataclasses.asdict(s), causal=draw(causal),
+                  softmax_scale=draw(softmax_scale(s)), window_size=draw(window(s)),
+                  softcap=draw(softcap), alibi=draw(alibi), dropout=draw(dropout),
+                  layout=draw(layout(s)), mask=draw(mask(s)), deterministic=draw(deterministic),
+                  seed=draw(input_seeds()))
+    # The call refuses a score_mod with softcap or ALiBi, and a mask_mod with a window or a
+    # block mask.
+    fields["mods"] = draw(mods(
+        score=not fields["softcap"] and fields["alibi"] is None,
+        mask=tuple(fields["window_size"]) == (-1, -1) and fields["mask"] is None))
+    return Case(**fields)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,14 +780,16 @@ def assert_zero_where_unseen(case, elem, out, dq=None, dk=None, dv=None):
     if visible is None:
         return
     h, hk = case.nheads, case.nheads_k
-    visible = xp.broadcast_to(visible, (h, case.sq, case.sk))
-    empty_rows = ~visible.any(axis=2).T                         # (sq, h)
-    unseen = ~visible.reshape(hk, h // hk, case.sq, case.sk).any(axis=(1, 2)).T   # (sk, hk)
+    nb = visible.shape[0]                                       # batch or 1
+    visible = xp.broadcast_to(visible, (nb, h, case.sq, case.sk))
+    empty_rows = ~visible.any(axis=3).transpose(0, 2, 1)        # (nb, sq, h)
+    unseen = ~visible.reshape(nb, hk, h // hk, case.sq, case.sk).any(axis=(2, 3))
+    unseen = unseen.transpose(0, 2, 1)                          # (nb, sk, hk)
     for name, a, where in (("out", out, empty_rows), ("dq", dq, empty_rows),
                            ("dk", dk, unseen), ("dv", dv, unseen)):
         if a is None or not bool(where.any()):
             continue
-        nonzero = int(((a.astype(xp.float64) != 0) & where[None, :, :, None]).sum())
+        nonzero = int(((a.astype(xp.float64) != 0) & where[:, :, :, None]).sum())
         assert nonzero == 0, f"{name}: {nonzero} nonzero elements where nothing is visible"
 
 

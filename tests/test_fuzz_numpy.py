@@ -2,11 +2,14 @@
 
 NumPy inputs go through the public API (``flash_attention`` with ``return_lse=True``, then
 ``flash_attention_backward``) and are compared with tests/reference.py's full-matrix float64
-attention (with ``block_mask.to_dense()`` as the element mask):
+attention (with ``block_mask.to_dense()``, or a mask_mod's dense spelling, as the element
+mask, and a score_mod's dense spelling in the scores):
 
 - float64: out, lse and dq, dk, dv within 1e-12 of max(max|ref|, 1), as test_numpy_path.py;
+  the gradients of a score_mod's arrays within 1e-12 of max(their terms' sizes, 1);
 - float32: FlashAttention's rule (DESIGN.md) against a naive float32 implementation: 2x its
-  error for out and lse, 3x for the gradients (as test_numpy_path.py checks low precision);
+  error for out and lse, 3x for the gradients, the arrays' among them (as
+  test_numpy_path.py checks low precision);
 - lse is -inf exactly on the rows that see no key; there out and dq are exactly 0, and dk, dv
   are exactly 0 on keys that no query sees; no NaN, and no floating-point warning other than
   underflow is raised on the way.
@@ -14,17 +17,21 @@ attention (with ``block_mask.to_dense()`` as the element mask):
 Cases (tests/strategies.py) cover batch, seqlen_q and seqlen_k 1..300 (tile edges 63/64/65,
 127/128/129, 255/256/257, unequal both ways), GQA/MQA, head dims 1..256, float64 and float32,
 causal, window_size (dense only: the call refuses it with a block mask), softcap, ALiBi slopes
-per head or per (batch, head), dropout (the reference applies the public keep-mask), packed and padded strided layouts, an explicit softmax_scale,
-block masks of every builder (block sizes 64/128 per side, shared or per head, with or without
-the mask's own causal) and the deterministic flag, under a work budget that keeps the NumPy
-loops fast.
+per head or per (batch, head), dropout (the reference applies the public keep-mask), user mods
+from strategies.py's library (score_mods: a T5-style bucketed relative bias with its table's
+gradient, ALiBi spelled as a score_mod, a learned tanh cap per head with its gradient;
+mask_mods: documents, prefix-LM, a local window per head; each alone or a pair, where the call
+allows them), packed and padded strided layouts, an explicit softmax_scale, block masks of
+every builder (block sizes 64/128 per side, shared or per head, with or without the mask's own
+causal) and the deterministic flag, under a work budget that keeps the NumPy loops fast.
 
-Budget: a fixed number of examples per family (DENSE_EXAMPLES = 300, SPARSE_EXAMPLES = 200),
-drawn derandomized so CI sees the same cases on every run. Measured on the 2-core CPU-only
-development machine: the whole file takes 6.5-8.5 s; while other jobs competed for its two
-cores, 700 examples once took 80 s (NumPy's two BLAS threads then wait on each other), so
-these 500 stay under a minute even then. The line "fuzz examples run per family (NumPy path):
-..." at the end of pytest's output gives the counts.
+Budget: a fixed number of examples per family (DENSE_EXAMPLES = 250, SPARSE_EXAMPLES = 150,
+MODS_EXAMPLES = 100; user mods come in about half the dense and block-sparse cases that allow
+them, and in every case of the third family), drawn derandomized so CI sees the same cases on
+every run. Measured on the 2-core CPU-only development machine: the whole file takes 6.5-11 s;
+while other jobs competed for its two cores, 700 examples once took 80 s (NumPy's two BLAS
+threads then wait on each other), so these 500 stay under a minute even then. The line "fuzz
+examples run per family (NumPy path): ..." at the end of pytest's output gives the counts.
 
 A failure prints the falsifying ``Case(...)`` (whose ``seed`` fixes the inputs) and a
 ``@reproduce_failure`` line. To re-run that case alone, from the repository root::
@@ -47,20 +54,21 @@ try:
                            attention_ref, attention_ref_backward, rel_err)
     from strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
                             assert_zero_where_unseen, block_masks, cases, dropouts, layouts,
-                            maybe_windows, shapes, softcaps)
+                            maybe_windows, shapes, softcaps, user_mods)
 except ImportError:
     from tests.reference import (assert_rule, attention_naive,  # noqa: E402
                                  attention_naive_backward, attention_ref,
                                  attention_ref_backward, rel_err)
     from tests.strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
                                   assert_zero_where_unseen, block_masks, cases, dropouts,
-                                  layouts, maybe_windows, shapes, softcaps)
+                                  layouts, maybe_windows, shapes, softcaps, user_mods)
 
 F64_REL = 1e-12
 FWD_FACTOR, BWD_FACTOR = 2, 3
 
-DENSE_EXAMPLES = 300
-SPARSE_EXAMPLES = 200
+DENSE_EXAMPLES = 250
+SPARSE_EXAMPLES = 150
+MODS_EXAMPLES = 100
 
 # float64 is the NumPy path's own precision (the tight check): drawn twice as often. fp16/bf16
 # inputs are left to the GPU fuzz: the NumPy path's backward takes out rounded to them, so its
@@ -84,18 +92,30 @@ def check_case(case):
     q, k, v, dout = case.inputs(np)
     mask = case.block_mask()
     variant = case.variant(np)
+    user = case.user_mods(np)
     call = dict(causal=case.causal, softmax_scale=case.softmax_scale, block_mask=mask,
-                **variant, **case.dropout.keywords())
+                **variant, **case.dropout.keywords(), **user)
     # Underflow (exp of a very negative score) is ordinary; NaN, inf and division by zero
     # are not.
     with np.errstate(divide="raise", over="raise", invalid="raise"):
         out, lse = cf.flash_attention(q, k, v, return_lse=True, **call)
         grads = cf.flash_attention_backward(dout, q, k, v, out, lse,
                                             deterministic=case.deterministic, **call)
-    elem = None if mask is None else mask.to_dense()
-    variant["dropout"] = case.dropout_scale(np)
+    elem = case.element_mask(mask, np)
+    variant.update(dropout=case.dropout_scale(np), score_mod=case.dense_score_mod(np))
     ref_out, ref_lse = attention_ref(q, k, v, case.scale, case.causal, elem, **variant)
     ref_grads = attention_ref_backward(dout, q, k, v, case.scale, case.causal, elem, **variant)
+    # A score_mod with grad_arrays adds their gradients to the results; the reference gives
+    # them (empty without grad_arrays) and the sizes of their terms.
+    tables = grads[3] if len(grads) == 4 else {}
+    grads = grads[:3]
+    ref_tables, sizes = ref_grads[3:] if user["score_mod"] is not None else ({}, {})
+    ref_grads = ref_grads[:3]
+    assert set(tables) == set(ref_tables), \
+        f"table gradients {sorted(tables)}, expected {sorted(ref_tables)}"
+    for name, t in tables.items():
+        assert type(t) is np.ndarray and t.dtype == np.float64, f"d {name}: {type(t)} {t.dtype}"
+        assert t.shape == ref_tables[name].shape, f"d {name}: shape {t.shape}"
 
     assert type(out) is np.ndarray and out.shape == q.shape and out.dtype == q.dtype
     expected_lse = np.float64 if case.dtype == "fp64" else np.float32
@@ -113,6 +133,11 @@ def check_case(case):
                                   (ref_out, ref_lse, *ref_grads)):
             err = rel_err(got, ref)
             assert err < F64_REL, f"{name}: relative error {err:.2e} >= {F64_REL:.0e}"
+        # A table entry is a sum of terms that may cancel: measured at their sizes' scale.
+        for name, t in tables.items():
+            err = float(np.abs(t - ref_tables[name]).max())
+            top = max(float(sizes[name].max()), 1.0)
+            assert err < F64_REL * top, f"d {name}: error {err:.2e}, terms up to {top:.2e}"
         return
     dtype = case.np_dtype
     naive_out, naive_lse = attention_naive(q, k, v, case.scale, case.causal, dtype, elem,
@@ -125,6 +150,9 @@ def check_case(case):
     magnitude = max(float(np.abs(r).max()) for r in ref_grads)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
         assert_rule(name, g, r, n, BWD_FACTOR, magnitude)
+    for name, t in tables.items():
+        assert_rule(f"d {name}", t, ref_tables[name], naive_grads[3][name], BWD_FACTOR,
+                    float(sizes[name].max()))
 
 
 def _checked(case, family):
@@ -137,13 +165,24 @@ def _checked(case, family):
 
 @settings(FUZZ_PROFILE, max_examples=DENSE_EXAMPLES)
 @given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), window=maybe_windows,
-             softcap=softcaps(), alibi=alibis(), dropout=dropouts(), layout=layouts))
+             softcap=softcaps(), alibi=alibis(), dropout=dropouts(), layout=layouts,
+             mods=user_mods))
 def test_numpy_path_dense_matches_reference(case):
     _checked(case, "dense")
 
 
 @settings(FUZZ_PROFILE, max_examples=SPARSE_EXAMPLES)
 @given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), softcap=softcaps(),
-             alibi=alibis(), dropout=dropouts(), layout=layouts, mask=block_masks))
+             alibi=alibis(), dropout=dropouts(), layout=layouts, mask=block_masks,
+             mods=user_mods))
 def test_numpy_path_block_sparse_matches_reference(case):
     _checked(case, "block_sparse")
+
+
+# Every case with mods: the variants they refuse are left out, block masks with a score_mod
+# alone are drawn by the family above.
+@settings(FUZZ_PROFILE, max_examples=MODS_EXAMPLES)
+@given(cases(dtype=CPU_DTYPES, shape=shapes(**CPU_SHAPES), dropout=dropouts(), layout=layouts,
+             mods=lambda score, mask: user_mods(score, mask, one_in=1)))
+def test_numpy_path_user_mods_match_reference(case):
+    _checked(case, "user_mods")
