@@ -1,0 +1,143 @@
+"""Hopper's units through cuda/sm90.cuh and cupyflash/_tma.py, the pieces of the sm_90a kernels.
+
+A probe kernel, one warpgroup: the copy engine brings a 64 x 128 block of q and of k (rows of
+any (batch, head), strided, with tails past the sequence) into 128-byte-swizzled shared
+memory through tensor maps, completing on an mbarrier; wgmma computes S = Q K^T from them; the
+fp32 result leaves through the accumulator layout sm90.cuh documents. Checked against NumPy,
+in bf16 and fp16, on an sm_90 GPU; compiled for sm_90a through NVRTC without one (no spills).
+The tensor-map builder's refusals need no GPU either.
+"""
+import numpy as np
+import pytest
+
+from cupyflash import _compile, _tma
+from reference import random_array
+
+PROBE = r"""
+// S (64 x 64, fp32, row-major) = Q K^T over head dim 128 for query rows q0.. of head h and key
+// rows k0.. of kv head hk in batch entry b.
+template <typename Elem>
+__global__ void __launch_bounds__(128) sm90_probe_qk(const __grid_constant__ TmaDesc qmap,
+                                                     const __grid_constant__ TmaDesc kmap, float* s,
+                                                     int q0, int k0, int b, int h, int hk) {
+    constexpr int ROWS = 64, HALF = 64, TILE = ROWS * HALF;   // one swizzled 64 x 64 sub-tile
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ unsigned long long bar;
+    // The swizzled tiles start at a 1024-byte boundary (1 KB extra is requested).
+    unsigned char* base = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
+    u16* sq = reinterpret_cast<u16*>(base);
+    u16* sk = sq + 2 * TILE;
+    if (threadIdx.x == 0) {
+        mbar_init(&bar, 1);
+        mbar_fence_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_expect_bytes(&bar, 4 * TILE * 2);
+        for (int half = 0; half < 2; ++half) {
+            tma_load_4d(sq + half * TILE, qmap, half * HALF, h, q0, b, &bar);
+            tma_load_4d(sk + half * TILE, kmap, half * HALF, hk, k0, b, &bar);
+        }
+    }
+    mbar_wait(&bar, 0);
+    float d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_m64n64k16<Elem>(d, sw128_desc(sq + half * TILE, kk * 32), sw128_desc(sk + half * TILE, kk * 32),
+                                  half + kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            s[(16 * warp + g + 8 * (e / 2)) * ROWS + 8 * j + 2 * t + e % 2] = d[4 * j + e];
+}
+"""
+NAMES = {"bfloat16": "sm90_probe_qk<bf16>", "float16": "sm90_probe_qk<fp16>"}
+
+
+def probe_source():
+    return _compile.source("sm90.cuh") + PROBE
+
+
+def compile_probe(arch):
+    """(cubin, {name: lowered name}, ptxas log) of the probe's instantiations for ``arch``."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    prog = nvrtc.createProgram(probe_source(), "sm90_probe.cu", [], [])
+    try:
+        for n in NAMES.values():
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, [*_compile.NVRTC_OPTIONS, f"-arch={arch}", "--ptxas-options=-v"])
+        except nvrtc.NVRTCError as e:
+            raise AssertionError(nvrtc.getProgramLog(prog)) from e
+        lowered = {n: nvrtc.getLoweredName(prog, n) for n in NAMES.values()}
+        return nvrtc.getCUBIN(prog), lowered, nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def test_probe_compiles_for_sm90a_without_local_memory():
+    _, lowered, log = compile_probe("sm_90a")
+    stats = _compile._parse_ptxas(log, {v: k for k, v in lowered.items()})
+    assert set(stats) == set(NAMES.values()), log
+    assert not any(any(s[1:]) for s in stats.values()), f"local memory: {stats}"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(ptr=8), "multiples of 16"),
+    (dict(strides=(256, 24, 4096)), "multiples of 16"),
+    (dict(box=(128, 1, 64, 1)), "128-byte swizzle"),
+    (dict(box=(64, 1, 512, 1)), "box"),
+    (dict(strides=(256,)), "rank 4"),
+])
+def test_tensor_map_refuses_what_the_copy_engine_cannot_describe(kw, match):
+    args = dict(ptr=1 << 20, dtype="bfloat16", dims=(128, 2, 100, 3), strides=(256, 512, 51200),
+                box=(64, 1, 64, 1))
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        _tma.tiled(**args)
+
+
+def _map(x, rows):
+    """x (batch, seqlen, heads, 128), the last dimension contiguous: boxes of 64 x 64."""
+    b, s, h, d = x.shape
+    return _tma.tiled(x.data.ptr, x.dtype.name, (d, h, s, b),
+                      (x.strides[2], x.strides[1], x.strides[0]), (64, 1, rows, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_probe_computes_q_kt_from_tma_tiles_on_the_gpu(dtype, tmp_path):
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    import ml_dtypes
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    cubin, lowered, _ = compile_probe("sm_90a")
+    (tmp_path / "probe.cubin").write_bytes(cubin)
+    module = cupy.RawModule(path=str(tmp_path / "probe.cubin"))
+    kernel = module.get_function(lowered[NAMES[dtype]])
+    # q a slice of a packed (batch, seqlen, 3, heads, d) array: strided rows; k with 2 heads.
+    packed = cupy.asarray(random_array(np, (2, 100, 3, 4, 128), np_dtype, 7))
+    q = packed[:, :, 0]
+    k = cupy.asarray(random_array(np, (2, 90, 2, 128), np_dtype, 8))
+    qmap, kmap = _map(q, 64), _map(k, 64)
+    for b, h, hk, q0, k0 in ((0, 0, 0, 0, 0), (1, 3, 1, 64, 0), (1, 2, 1, 0, 64)):
+        s = cupy.full((64, 64), np.nan, cupy.float32)
+        kernel((1,), (128,), (qmap, kmap, s, np.int32(q0), np.int32(k0), np.int32(b), np.int32(h),
+                              np.int32(hk)), shared_mem=4 * 64 * 64 * 2 + 1024)
+        qa = np.zeros((64, 128)); ka = np.zeros((64, 128))
+        qs, ks = cupy.asnumpy(q[b, q0:q0 + 64, h]), cupy.asnumpy(k[b, k0:k0 + 64, hk])
+        qa[:len(qs)], ka[:len(ks)] = qs.astype(np.float64), ks.astype(np.float64)
+        expected = qa @ ka.T   # rows past the sequences came in as zeros
+        got = cupy.asnumpy(s)
+        assert not np.isnan(got).any(), "an element was not written"
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
