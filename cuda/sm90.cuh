@@ -59,12 +59,15 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TmaDesc& map, int c
 
 // ---- wgmma: one warpgroup (four consecutive warps, the first a multiple of 4) multiplies.
 
-// The descriptor of a K-major, 128-byte-swizzled tile at `tile` (1024-byte aligned), advanced
-// by `k_bytes` along K inside its 128-byte rows (a multiple of 32: one k16 step of 16-bit data).
-__device__ __forceinline__ unsigned long long sw128_desc(const void* tile, unsigned k_bytes) {
-    const unsigned long long start = (smem_addr(tile) + k_bytes) >> 4;
-    constexpr unsigned long long lead = 1, stride = 1024 >> 4, swizzle128 = 1;
-    return (start & 0x3FFF) | lead << 16 | stride << 32 | swizzle128 << 62;
+// The descriptor of a 128-byte-swizzled tile at `tile` (1024-byte aligned) plus `offset` bytes
+// (K-major: a k16 step of 16-bit data is 32 bytes inside the rows; MN-major: 16 rows, 2048
+// bytes). `lead` and `stride` are byte offsets between swizzle atoms (multiples of 16).
+__device__ __forceinline__ unsigned long long sw128_desc(const void* tile, unsigned offset, unsigned lead = 16,
+                                                         unsigned stride = 1024) {
+    const unsigned long long start = (smem_addr(tile) + offset) >> 4;
+    constexpr unsigned long long swizzle128 = 1;
+    return (start & 0x3FFF) | static_cast<unsigned long long>(lead >> 4) << 16 |
+           static_cast<unsigned long long>(stride >> 4) << 32 | swizzle128 << 62;
 }
 
 // Orders this thread's register and shared-memory accesses before the next wgmma reads them.
@@ -111,3 +114,36 @@ __device__ __forceinline__ void wgmma_m64n64k16<fp16>(float (&d)[32], unsigned l
     CUPYFLASH_WGMMA_M64N64K16("f16");
 }
 #undef CUPYFLASH_WGMMA_M64N64K16
+
+// d[32] (+)= A B with A (64 x 16) in registers, in mma.sync's A-fragment layout per warp (warp w
+// holds rows 16w..16w+15: a[0] row g, columns 2t, 2t+1; a[1] row g + 8; a[2] and a[3] the same
+// rows, columns + 8; 16-bit pairs), and B (16 x 64) MN-major in shared memory (row k holds the
+// 64 N-elements of K index k: the layout the copy engine gives V), `b` its descriptor.
+template <typename Elem>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b,
+                                                   bool accumulate);
+
+#define CUPYFLASH_WGMMA_M64N64K16_RS(TYPE)                                                                       \
+    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %37, 0;\n\t"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                               \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "            \
+                 "{%32, %33, %34, %35}, %36, acc, 1, 1, 1;\n\t}"                                                \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),          \
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),      \
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),   \
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),   \
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
+
+template <>
+__device__ __forceinline__ void wgmma_m64n64k16_rs<bf16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
+                                                         bool accumulate) {
+    CUPYFLASH_WGMMA_M64N64K16_RS("bf16");
+}
+template <>
+__device__ __forceinline__ void wgmma_m64n64k16_rs<fp16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
+                                                         bool accumulate) {
+    CUPYFLASH_WGMMA_M64N64K16_RS("f16");
+}
+#undef CUPYFLASH_WGMMA_M64N64K16_RS

@@ -1,9 +1,10 @@
 """Hopper's units through cuda/sm90.cuh and cupyflash/_tma.py, the pieces of the sm_90a kernels.
 
-A probe kernel, one warpgroup: the copy engine brings a 64 x 128 block of q and of k (rows of
+A probe kernel, one warpgroup: the copy engine brings a 64 x 128 block of q, k and v (rows of
 any (batch, head), strided, with tails past the sequence) into 128-byte-swizzled shared
-memory through tensor maps, completing on an mbarrier; wgmma computes S = Q K^T from them; the
-fp32 result leaves through the accumulator layout sm90.cuh documents. Checked against NumPy,
+memory through tensor maps, completing on an mbarrier; wgmma computes S = Q K^T from shared
+memory (K-major), then O = P V with P = S rounded to 16 bits in registers and V MN-major; the
+fp32 results leave through the accumulator layout sm90.cuh documents. Checked against NumPy,
 in bf16 and fp16, on an sm_90 GPU; compiled for sm_90a through NVRTC without one (no spills).
 The tensor-map builder's refusals need no GPU either.
 """
@@ -15,11 +16,14 @@ from reference import random_array
 
 PROBE = r"""
 // S (64 x 64, fp32, row-major) = Q K^T over head dim 128 for query rows q0.. of head h and key
-// rows k0.. of kv head hk in batch entry b.
+// rows k0.. of kv head hk in batch entry b; then O (64 x 128, fp32) = P V for those keys, P = S
+// rounded to Elem and taken from registers, V read MN-major (its rows as the copy engine
+// brings them).
 template <typename Elem>
-__global__ void __launch_bounds__(128) sm90_probe_qk(const __grid_constant__ TmaDesc qmap,
-                                                     const __grid_constant__ TmaDesc kmap, float* s,
-                                                     int q0, int k0, int b, int h, int hk) {
+__global__ void __launch_bounds__(128) sm90_probe(const __grid_constant__ TmaDesc qmap,
+                                                  const __grid_constant__ TmaDesc kmap,
+                                                  const __grid_constant__ TmaDesc vmap, float* s, float* o,
+                                                  int q0, int k0, int b, int h, int hk) {
     constexpr int ROWS = 64, HALF = 64, TILE = ROWS * HALF;   // one swizzled 64 x 64 sub-tile
     extern __shared__ unsigned char smem_raw[];
     __shared__ unsigned long long bar;
@@ -27,16 +31,18 @@ __global__ void __launch_bounds__(128) sm90_probe_qk(const __grid_constant__ Tma
     unsigned char* base = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
     u16* sq = reinterpret_cast<u16*>(base);
     u16* sk = sq + 2 * TILE;
+    u16* sv = sk + 2 * TILE;
     if (threadIdx.x == 0) {
         mbar_init(&bar, 1);
         mbar_fence_init();
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        mbar_expect_bytes(&bar, 4 * TILE * 2);
+        mbar_expect_bytes(&bar, 6 * TILE * 2);
         for (int half = 0; half < 2; ++half) {
             tma_load_4d(sq + half * TILE, qmap, half * HALF, h, q0, b, &bar);
             tma_load_4d(sk + half * TILE, kmap, half * HALF, hk, k0, b, &bar);
+            tma_load_4d(sv + half * TILE, vmap, half * HALF, hk, k0, b, &bar);
         }
     }
     mbar_wait(&bar, 0);
@@ -58,9 +64,32 @@ __global__ void __launch_bounds__(128) sm90_probe_qk(const __grid_constant__ Tma
 #pragma unroll
         for (int e = 0; e < 4; ++e)
             s[(16 * warp + g + 8 * (e / 2)) * ROWS + 8 * j + 2 * t + e % 2] = d[4 * j + e];
+    // Keys 16kk.. of S are the n8 tiles 2kk and 2kk + 1: the A fragment of step kk.
+    u32 a[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[kk][r] = pack2<Elem>(d[8 * kk + 2 * r], d[8 * kk + 2 * r + 1]);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float acc[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)   // 16 keys are 16 rows of V: 2048 bytes
+            wgmma_m64n64k16_rs<Elem>(acc, a[kk], sw128_desc(sv + half * TILE, kk * 2048), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                o[(16 * warp + g + 8 * (e / 2)) * 128 + half * HALF + 8 * j + 2 * t + e % 2] = acc[4 * j + e];
+    }
 }
 """
-NAMES = {"bfloat16": "sm90_probe_qk<bf16>", "float16": "sm90_probe_qk<fp16>"}
+NAMES = {"bfloat16": "sm90_probe<bf16>", "float16": "sm90_probe<fp16>"}
 
 
 def probe_source():
@@ -115,7 +144,7 @@ def _map(x, rows):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_probe_computes_q_kt_from_tma_tiles_on_the_gpu(dtype, tmp_path):
+def test_probe_computes_qk_and_pv_from_tma_tiles_on_the_gpu(dtype, tmp_path):
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("needs an sm_90 GPU")
@@ -123,21 +152,30 @@ def test_probe_computes_q_kt_from_tma_tiles_on_the_gpu(dtype, tmp_path):
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
     cubin, lowered, _ = compile_probe("sm_90a")
     (tmp_path / "probe.cubin").write_bytes(cubin)
-    module = cupy.RawModule(path=str(tmp_path / "probe.cubin"))
-    kernel = module.get_function(lowered[NAMES[dtype]])
-    # q a slice of a packed (batch, seqlen, 3, heads, d) array: strided rows; k with 2 heads.
-    packed = cupy.asarray(random_array(np, (2, 100, 3, 4, 128), np_dtype, 7))
+    kernel = cupy.RawModule(path=str(tmp_path / "probe.cubin")).get_function(lowered[NAMES[dtype]])
+    smem = 6 * 64 * 64 * 2 + 1024
+    kernel.max_dynamic_shared_size_bytes = smem
+    # q a slice of a packed (batch, seqlen, 3, heads, d) array: strided rows; k, v 2 heads.
+    # Scaled so that S stays within fp16's range.
+    packed = cupy.asarray((random_array(np, (2, 100, 3, 4, 128), np.float64, 7) / 4).astype(np_dtype))
     q = packed[:, :, 0]
-    k = cupy.asarray(random_array(np, (2, 90, 2, 128), np_dtype, 8))
-    qmap, kmap = _map(q, 64), _map(k, 64)
+    k, v = (cupy.asarray((random_array(np, (2, 90, 2, 128), np.float64, seed) / 4).astype(np_dtype))
+            for seed in (8, 9))
+    maps = [_map(x, 64) for x in (q, k, v)]
     for b, h, hk, q0, k0 in ((0, 0, 0, 0, 0), (1, 3, 1, 64, 0), (1, 2, 1, 0, 64)):
         s = cupy.full((64, 64), np.nan, cupy.float32)
-        kernel((1,), (128,), (qmap, kmap, s, np.int32(q0), np.int32(k0), np.int32(b), np.int32(h),
-                              np.int32(hk)), shared_mem=4 * 64 * 64 * 2 + 1024)
-        qa = np.zeros((64, 128)); ka = np.zeros((64, 128))
-        qs, ks = cupy.asnumpy(q[b, q0:q0 + 64, h]), cupy.asnumpy(k[b, k0:k0 + 64, hk])
-        qa[:len(qs)], ka[:len(ks)] = qs.astype(np.float64), ks.astype(np.float64)
-        expected = qa @ ka.T   # rows past the sequences came in as zeros
-        got = cupy.asnumpy(s)
-        assert not np.isnan(got).any(), "an element was not written"
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        o = cupy.full((64, 128), np.nan, cupy.float32)
+        kernel((1,), (128,), (*maps, s, o, np.int32(q0), np.int32(k0), np.int32(b), np.int32(h),
+                              np.int32(hk)), shared_mem=smem)
+        # Rows past the sequences come in as zeros.
+        qa, ka, va = np.zeros((64, 128)), np.zeros((64, 128)), np.zeros((64, 128))
+        for dst, src in ((qa, q[b, q0:q0 + 64, h]), (ka, k[b, k0:k0 + 64, hk]),
+                         (va, v[b, k0:k0 + 64, hk])):
+            dst[:len(src)] = cupy.asnumpy(src).astype(np.float64)
+        got_s, got_o = cupy.asnumpy(s), cupy.asnumpy(o)
+        assert not np.isnan(got_s).any() and not np.isnan(got_o).any(), "an element was not written"
+        expected = qa @ ka.T
+        np.testing.assert_allclose(got_s, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        # P as the kernel rounded it: O is then exact but for fp32 accumulation.
+        expected = got_s.astype(np_dtype).astype(np.float64) @ va
+        np.testing.assert_allclose(got_o, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
