@@ -141,17 +141,22 @@ def warmup(args):
         return 1
     from . import _compile, _launch
     wanted = {_launch.ELEM[d] for d in (args.dtype or DTYPES)}
-    names = [(f, n) for f, ns in _launch.kernel_names(_launch._smem_limit()).items()
+    dev = cp.cuda.Device()
+    hopper = dev.compute_capability == "90"
+    names = [(f, n) for f, ns in _launch.kernel_names(_launch._smem_limit(), hopper).items()
              for n in ns if n.split("<")[1].split(",")[0].rstrip(">").strip() in wanted]
     failed = []
     t0 = time.perf_counter()
     for filename, name in names:
         try:
-            _compile.get_kernel(_compile.source(filename), name)
+            arch = _compile.ARCH_SPECIFIC.get(filename)
+            if arch:
+                _compile.get_arch_kernel(dev.id, _compile.source(filename), name, arch)
+            else:
+                _compile.get_kernel(_compile.source(filename), name)
         except Exception as e:  # report every kernel that fails, not only the first
             failed.append(f"  {filename} {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
     seconds = time.perf_counter() - t0
-    dev = cp.cuda.Device()
     print(f"compiled {len(names) - len(failed)} of {len(names)} kernels for device {dev.id} "
           f"(sm_{dev.compute_capability}) in {seconds:.1f} s")
     if failed:

@@ -126,6 +126,49 @@ def _cache_error(e):
                             f"CUPY_CACHE_IN_MEMORY=1 to compile without the disk cache")
 
 
+# Files whose kernels use Hopper's arch-specific instructions (wgmma, setmaxnreg): compiled
+# for sm_90a by NVRTC directly (CuPy's RawModule appends its own -arch=sm_90), the cubin kept in
+# CuPy's cache directory under a key of everything that changes it.
+ARCH_SPECIFIC = {"fwd_sm90.cu": "sm_90a"}
+
+
+def _cubin_path(code, name, arch):
+    from cupy_backends.cuda.libs import nvrtc
+    import hashlib
+    key = hashlib.sha256("\0".join((code, name, arch, *NVRTC_OPTIONS,
+                                     str(nvrtc.getVersion()))).encode()).hexdigest()
+    cache_dir = Path(os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache"))
+    return cache_dir / f"cupyflash_{arch}_{key}.cubin"
+
+
+@_once_per_key
+def get_arch_kernel(device_id, code, name, arch):
+    """Kernel ``name`` of ``code`` compiled for ``arch``: a cubin from the disk cache, or NVRTC
+    now. Beside the cubin, a ``.name`` file holds the kernel's lowered (mangled) name."""
+    import cupy
+    path = _cubin_path(code, name, arch)
+    name_path = path.with_suffix(".name")
+    if not (path.exists() and name_path.exists()):
+        from cupy_backends.cuda.libs import nvrtc
+        prog = nvrtc.createProgram(code, name.split("<")[0] + ".cu", [], [])
+        try:
+            nvrtc.addNameExpression(prog, name)
+            try:
+                nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(f"{name} failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
+            cubin, lowered = nvrtc.getCUBIN(prog), nvrtc.getLoweredName(prog, name)
+        finally:
+            nvrtc.destroyProgram(prog)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for target, data in ((name_path, lowered.encode()), (path, cubin)):
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+    with cupy.cuda.Device(device_id):
+        return cupy.RawModule(path=str(path)).get_function(name_path.read_text())
+
+
 def get_kernel(code, name):
     """The compiled kernel ``name`` (a template name) of the source text ``code`` (``source(
     filename)``, or one with a user's snippet) on the current device. Each instantiation is its

@@ -5,10 +5,11 @@ field for field (aligned NumPy dtypes: the C layout rules). Every launch goes to
 current stream; nothing here synchronizes.
 """
 import functools
+import os
 
 import numpy as np
 
-from . import _compile, _config, _spec
+from . import _compile, _config, _spec, _tma
 from ._compile import get_kernel, template_name
 
 
@@ -128,11 +129,12 @@ def _attribute_of(device_id, name):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(source, name, device_id, smem):
+def _kernel(source, name, device_id, smem, arch=None):
     """The kernel with its dynamic shared-memory limit raised once (above 48 KB a kernel
     must opt in), not on every launch. Keyed by the source text itself, as _compile's modules
-    are: another text under the same file name is another kernel."""
-    kernel = get_kernel(source, name)
+    are: another text under the same file name is another kernel. ``arch``: compiled for that
+    target (an arch-specific one, _compile.ARCH_SPECIFIC), not the device's own."""
+    kernel = _compile.get_arch_kernel(device_id, source, name, arch) if arch else get_kernel(source, name)
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel
@@ -179,7 +181,8 @@ def _launch(filename, name, grid, threads, smem, params, user_mods=""):
     """Launch template instantiation ``name`` of ``cuda/<filename>``, with the call's user
     mods (``mods.prelude``) spliced into its source."""
     import cupy
-    kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem)
+    kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem,
+                     _compile.ARCH_SPECIFIC.get(filename))
     kernel(grid, (threads,), (params,), shared_mem=smem)
 
 
@@ -316,6 +319,46 @@ def check_supported(spec, block_mask):
                              f"device {dev.id} has {limit}")
 
 
+# cuda/fwd_sm90.cu's parameters: the tensor maps of q, k and v (64-byte aligned), then FwdParams;
+# the size rounded up to 64 bytes as the C struct's.
+FWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "base"],
+                            "formats": [_tma.TMA_DESC] * 3 + [FWD_PARAMS],
+                            "offsets": [0, 128, 256, 384],
+                            "itemsize": _config.cdiv(384 + FWD_PARAMS.itemsize, 64) * 64})
+SM90_FWD_ROWS, SM90_FWD_THREADS = 128, 256
+# The forward's shared memory: Q (128 rows), two buffers of K and of V (64 rows each), in 64 x 64
+# sub-tiles of 16-bit elements, and 1 KB to align them to 1024 bytes.
+SM90_FWD_SMEM = (2 + 2 * 2) * 2 * 64 * 64 * 2 + 1024
+
+
+def kernel_family(spec, block_mask, *arrays):
+    """"sm90" where the Hopper kernels (cuda/fwd_sm90.cu) run this call's forward, else
+    "generic" (the mma.sync and plain kernels, on every GPU). CUPYFLASH_KERNELS=generic forces
+    the generic kernels (to compare the two on one GPU). The Hopper forward covers, so far:
+    fp16/bf16 at head-dim bucket 128 with 16-byte aligned rows (the copy engine's rule), dense
+    or with a causal or local band; the rest runs the generic kernels."""
+    import cupy
+    if os.environ.get("CUPYFLASH_KERNELS", "auto") == "generic":
+        return "generic"
+    if (cupy.cuda.Device().compute_capability == "90" and spec.dtype in TENSOR_CORE
+            and spec.headdim == 128 and block_mask is None and not spec.extras
+            and _vec_ok(*arrays)):
+        return "sm90"
+    return "generic"
+
+
+def _forward_sm90(p, q, k, v, spec):
+    b, sq, h, d = q.shape
+    tp = np.zeros((), FWD_SM90_PARAMS)
+    grid = _tile_grid(p, _config.cdiv(sq, SM90_FWD_ROWS), h, b, spec.causal)
+    tp["base"] = p
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
+                              (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
+    name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], spec.headdim, spec.variant())
+    _launch("fwd_sm90.cu", name, grid, SM90_FWD_THREADS, SM90_FWD_SMEM, tp[()], spec.user_mods)
+
+
 def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, dropout=None,
             user_arrays=()):
     """Launch the forward pass of the call ``spec`` (a CallSpec). ``out`` and ``lse`` are
@@ -330,7 +373,9 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
     p["vec_ok"] = _vec_ok(q, k, v, out)
     b, sq, h, d = q.shape
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
-    if spec.dtype in TENSOR_CORE:
+    if kernel_family(spec, block_mask, q, k, v) == "sm90":
+        _forward_sm90(p, q, k, v, spec)
+    elif spec.dtype in TENSOR_CORE:
         def name_of(t):
             return ("fwd.cu", template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps,
                                             t.stages_for(spec.masked_band), variant),
@@ -432,10 +477,16 @@ def dq_accum_shape(shape):
     return (b, h, _config.cdiv(sq, _config.MAX_BLOCK) * _config.MAX_BLOCK, _config.head_dim_bucket(d))
 
 
-def kernel_names(smem_limit):
+def kernel_names(smem_limit, hopper=False):
     """{source file: [template names]} of every kernel the config table can pick on a device
-    with ``smem_limit`` bytes of shared memory per block (for warm-up and compile checks)."""
-    names = {"fwd.cu": [], "bwd.cu": [], "generic.cu": []}
+    with ``smem_limit`` bytes of shared memory per block (for warm-up and compile checks);
+    ``hopper``: an sm_90 device, which also runs the Hopper kernels (``kernel_family``)."""
+    names = {"fwd.cu": [], "bwd.cu": [], "generic.cu": [], "fwd_sm90.cu": []}
+    if hopper:
+        names["fwd_sm90.cu"] = [
+            template_name("flash_fwd_sm90_kernel", ELEM[d], 128,
+                          _spec.CallSpec(d, 128, window=w).variant())
+            for d in TENSOR_CORE for w in (_spec.NO_WINDOW, _spec.CAUSAL, (1, 1))]
     for elem in ELEM.values():
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):

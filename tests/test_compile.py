@@ -1,5 +1,6 @@
 """Every kernel instantiation the config table can pick compiles through NVRTC with no local
-memory: no register spills and no stack frame. Complete for sm_80 and sm_90; for sm_86 (99 KB
+memory: no register spills and no stack frame. Complete for sm_80 and sm_90 (with the Hopper
+kernels of cuda/fwd_sm90.cu, for sm_90a); for sm_86 (99 KB
 of shared memory) only the smaller tiles that sm_80 never picks: the two have the same register
 file, and on the instantiations both pick ptxas's register counts stay close (within 22 with
 NVRTC 13.5, none spilling on either).
@@ -21,14 +22,16 @@ from cupyflash._launch import kernel_names  # noqa: E402
 pytestmark = pytest.mark.compile
 
 ARCHS = ("sm_80", "sm_90", "sm_86")
-FILES = ("fwd.cu", "bwd.cu", "generic.cu")
+FILES = ("fwd.cu", "bwd.cu", "generic.cu", "fwd_sm90.cu")
 # Instantiations per NVRTC program: small pieces keep every core busy to the end, and parsing
 # the source again for each piece costs little beside ptxas's work on the kernels.
 PIECE = 4
 
 
 def names_to_check(arch, filename):
-    names = kernel_names(_config.SMEM_LIMIT[int(arch[3:])])[filename]
+    """The instantiations of ``filename`` to compile for ``arch``; the Hopper kernels' files
+    (``_compile.ARCH_SPECIFIC``) under sm_90, compiled for their own target (sm_90a)."""
+    names = kernel_names(_config.SMEM_LIMIT[int(arch[3:])], hopper=arch == "sm_90")[filename]
     if arch == "sm_86":
         on_sm80 = set(kernel_names(_config.SMEM_LIMIT[80])[filename])
         names = [n for n in names if n not in on_sm80]
@@ -80,7 +83,8 @@ def ptxas_stats(request):
     with concurrent.futures.ProcessPoolExecutor(
             max_workers=min(os.cpu_count() or 1, len(pieces)),
             mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(nvrtc_compile, filename, names, arch): (arch, filename)
+        futures = {pool.submit(nvrtc_compile, filename, names,
+                               _compile.ARCH_SPECIFIC.get(filename, arch)): (arch, filename)
                    for (arch, filename), names in pieces}
         for future in concurrent.futures.as_completed(futures):
             stats, errors = results[futures[future]]

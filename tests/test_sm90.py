@@ -7,12 +7,18 @@ memory (K-major), then O = P V with P = S rounded to 16 bits in registers and V 
 fp32 results leave through the accumulator layout sm90.cuh documents. Checked against NumPy,
 in bf16 and fp16, on an sm_90 GPU; compiled for sm_90a through NVRTC without one (no spills).
 The tensor-map builder's refusals need no GPU either.
+
+The Hopper forward (cuda/fwd_sm90.cu) against the float64 reference under FlashAttention's
+rule: odd lengths (tails of query and key blocks), seqlen_q != seqlen_k both ways, GQA/MQA,
+strided q (a slice of packed qkv), causal and local bands, rows that see no key, head dims of
+the 128 bucket below 128; each case asserts that the Hopper kernel is the one that ran.
 """
 import numpy as np
 import pytest
 
-from cupyflash import _compile, _tma
-from reference import random_array
+import cupyflash as cf
+from cupyflash import _compile, _launch, _spec, _tma
+from reference import assert_rule, attention_naive, attention_ref, random_array
 
 PROBE = r"""
 // S (64 x 64, fp32, row-major) = Q K^T over head dim 128 for query rows q0.. of head h and key
@@ -115,6 +121,9 @@ def compile_probe(arch):
 
 def test_probe_compiles_for_sm90a_without_local_memory():
     _, lowered, log = compile_probe("sm_90a")
+    if "Compiling entry function" not in log:
+        # NVRTC 13.0 (the lent H200's) prints no ptxas report for sm_90a; 13.5 (CI's) does.
+        pytest.skip("this NVRTC prints no ptxas report for sm_90a")
     stats = _compile._parse_ptxas(log, {v: k for k, v in lowered.items()})
     assert set(stats) == set(NAMES.values()), log
     assert not any(any(s[1:]) for s in stats.values()), f"local memory: {stats}"
@@ -179,3 +188,40 @@ def test_probe_computes_qk_and_pv_from_tma_tiles_on_the_gpu(dtype, tmp_path):
         # P as the kernel rounded it: O is then exact but for fp32 accumulation.
         expected = got_s.astype(np_dtype).astype(np.float64) @ va
         np.testing.assert_allclose(got_o, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+SM90_CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, band
+    (2, 256, 256, 4, 4, 128, "none"),
+    (1, 1000, 777, 6, 2, 128, "none"),
+    (2, 77, 1025, 4, 1, 128, "causal"),
+    (1, 1025, 300, 3, 3, 128, "causal"),    # the first rows see no key
+    (2, 513, 513, 2, 1, 120, "causal"),
+    (1, 700, 900, 4, 2, 128, "window"),
+    (3, 1, 65, 2, 2, 128, "none"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_sm90_forward_matches_the_reference(case, dtype):
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    import ml_dtypes
+    b, sq, sk, h, hk, d, band = case
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    packed = cupy.asarray(random_array(np, (b, sq, 3, h, d), np_dtype, sq + d))
+    q = packed[:, :, 1]
+    k, v = (cupy.asarray(random_array(np, (b, sk, hk, d), np_dtype, seed)) for seed in (sk, sk + 1))
+    kw = dict(causal=band == "causal", window_size=(100, 30) if band == "window" else (-1, -1))
+    spec = _spec.CallSpec.of(q, **kw)
+    assert _launch.kernel_family(spec, None, q, k, v) == "sm90"
+    out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
+    scale = d ** -0.5
+    ref_out, ref_lse = attention_ref(q, k, v, scale, kw["causal"], window_size=kw["window_size"])
+    naive_out, naive_lse = attention_naive(q, k, v, scale, kw["causal"], dtype,
+                                           window_size=kw["window_size"])
+    assert_rule("out", out, ref_out, naive_out, 2)
+    assert_rule("lse", lse, ref_lse, naive_lse, 2)
