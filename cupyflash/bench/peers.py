@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from .. import api
+from .. import _launch, _spec, api
 
 from .cases import SPARSE_BLOCK, cp, error_text, input_sets, np_dtype, pattern_mask, tflops
 from .reports import progress_line
@@ -76,6 +76,14 @@ class Ours(Runner):
 
     def output(self):
         return self.forward(self.sets[0])[0].astype(cp.float32)
+
+    def kernels(self, pass_):
+        """Which kernels ran (``_launch.kernel_family``): the forward's family; the backward
+        runs the generic kernels everywhere so far."""
+        q, k, v = self.sets[0][:3]
+        spec = _spec.CallSpec.of(q, causal=self.case.causal, block_mask=self.mask)
+        fwd = _launch.kernel_family(spec, self.mask, q, k, v)
+        return {"fwd": fwd, "bwd": "generic"}.get(pass_, f"{fwd} fwd, generic bwd")
 
 
 class Naive(Runner):
@@ -370,6 +378,8 @@ def result_row(runner, pass_, timing, memory=True):
         row["peak_bytes"] = int(runner.clock.peak_bytes(timing.calls[0]))
     if runner.note:
         row["note"] = runner.note
+    if hasattr(runner, "kernels"):
+        row["kernels"] = runner.kernels(pass_)
     return row
 
 

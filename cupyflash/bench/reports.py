@@ -109,7 +109,8 @@ def progress_line(row):
     if "ms" not in row:
         return f"{head}: {row_status(row)}"
     mem = f", {row['peak_bytes'] / 2**20:.0f} MiB" if "peak_bytes" in row else ""
-    return f"{head}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s{mem}"
+    kernels = f" [{row['kernels']}]" if "kernels" in row else ""
+    return f"{head}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s{mem}{kernels}"
 
 
 CASE_FIELDS = ("pattern", "dtype", "headdim", "nheads", "batch", "seqlen", "causal")
