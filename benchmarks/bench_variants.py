@@ -2,6 +2,7 @@
 
     python benchmarks/bench_variants.py --out DIR [--seqlen 8192] [--window-seqlen 32768]
                                         [--parts ours flex window] [--reps 20]
+                                        [--kernels generic|auto]
 
 - Score modifiers, at ``--seqlen`` (16K tokens, 16 heads), causal and not, forward and
   backward: ours plain, ``softcap=30``, ALiBi (ALiBi's geometric slopes), both, and
@@ -20,10 +21,14 @@
   Target: time <= 1.3 x the dense causal time x (visible elements of the window / visible
   elements of causal), both counted exactly.
 
-Every row times the median over calls on rotating input sets (cupyflash.bench). Writes
+Our rows run the generic kernels unless ``--kernels auto``: on sm_90 the Hopper forward
+covers plain attention only so far, and each variant is measured against plain attention on
+the same kernels. Every row times the median over calls on rotating input sets
+(cupyflash.bench). Writes
 DIR/variants_targets.json and prints the table with the ratios last.
 """
 import argparse
+import os
 from pathlib import Path
 
 import numpy as np
@@ -190,7 +195,11 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parts", nargs="+", default=["ours", "flex", "window"],
                     help="ours: our modifiers; flex: FlexAttention's rules; window: the window")
+    ap.add_argument("--kernels", choices=("generic", "auto"), default="generic",
+                    help="CUPYFLASH_KERNELS for our calls; generic (the default) times every row "
+                         "on the same kernels: the Hopper forward covers plain attention only")
     args = ap.parse_args()
+    os.environ["CUPYFLASH_KERNELS"] = args.kernels
     ours, use_flex = "ours" in args.parts, "flex" in args.parts
     passes = ("fwd", "bwd")
     rows = []
