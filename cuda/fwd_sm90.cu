@@ -7,6 +7,8 @@
 //
 // One thread block per (query block of 128 rows, head, batch): two warpgroups of 64 rows each;
 // K and V double-buffered, the next block's copies issued while this one is multiplied.
+// HeadDim is the head dim rounded up to a multiple of 64: the copy engine fills the columns
+// past the real one with zeros, and the epilogue stores only the real ones.
 // First version: no producer warp or register reallocation, and the softmax of a block is not
 // overlapped with the products of another (the next steps of issue 16).
 #include "common.cuh"
@@ -15,6 +17,7 @@
 #include "seqinfo.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
+#include "dropout.cuh"
 #include "block_iter.cuh"
 #include "epilogue.cuh"
 
@@ -33,6 +36,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr int Sub = 64 * 64;           // elements of a 64-row sub-tile
     constexpr int NT = Bc / 8, DT = HeadDim / 8;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
+    static_assert(Br * (HeadDim + SMEM_PAD) <= 2 * Stages * Halves * Sub, "the epilogue stages O in the K and V buffers");
     const FwdParams& p = tp.base;
 
     // Q (two warpgroups x Halves sub-tiles), then Stages buffers of K and of V; 1024-byte aligned.
@@ -52,6 +56,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     mask.at_head(at.batch, h);
     ScoreMod<V, FwdParams> mod(p);
     mod.at_head(at.batch, h);
+    const Dropout drop(p, at.batch, h);
     const int row0 = at.tile * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const int wrow = warp * 16;   // warpgroup wg's rows are 64 wg .. 64 wg + 63
@@ -118,6 +123,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         mod.apply<false>(s, row0 + wrow, n0, lane);
         if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
         softmax.update(s, acc, mod.mult());
+        // Dropped weights leave O, not l: the softmax's sums are the undropped ones.
+        if constexpr (V::Dropout)
+            drop.for_each<false, 1, NT>(row0 + wrow, n0, lane, [&](int m, int n, int e, unsigned keep) {
+                if (!keep) s[m][n][e] = 0.f;
+            });
         // P as A fragments: keys 16kk.. are the n8 tiles 2kk and 2kk + 1.
         u32 pa[Bc / 16][4];
 #pragma unroll
@@ -141,5 +151,5 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 
     // The K and V buffers (no longer read: epilogue_begin waits for every warp) stage O.
     fwd_epilogue<Elem, Br, HeadDim, Threads>(p, seq, h, row0, seq.seqlen_q() - row0, wrow, lane, p.vec_ok != 0,
-                                             softmax, mod.mult(), 1.f, acc, sK);
+                                             softmax, mod.mult(), V::Dropout ? drop.scale : 1.f, acc, sK);
 }

@@ -325,38 +325,53 @@ FWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "base"],
                             "formats": [_tma.TMA_DESC] * 3 + [FWD_PARAMS],
                             "offsets": [0, 128, 256, 384],
                             "itemsize": _config.cdiv(384 + FWD_PARAMS.itemsize, 64) * 64})
-SM90_FWD_ROWS, SM90_FWD_THREADS = 128, 256
-# The forward's shared memory: Q (128 rows), two buffers of K and of V (64 rows each), in 64 x 64
-# sub-tiles of 16-bit elements, and 1 KB to align them to 1024 bytes.
-SM90_FWD_SMEM = (2 + 2 * 2) * 2 * 64 * 64 * 2 + 1024
+SM90_FWD_ROWS, SM90_FWD_KEYS, SM90_FWD_THREADS = 128, 64, 256
+
+
+def sm90_headdim(bucket):
+    """The Hopper forward's head dim for a bucket: whole 64-column swizzle atoms (the copy
+    engine fills the columns past the real head dim with zeros)."""
+    return _config.cdiv(bucket, 64) * 64
+
+
+def sm90_fwd_smem(hd):
+    """Q (128 rows) and two buffers of K and of V (64 rows each), in 64 x 64 sub-tiles of
+    16-bit elements, and 1 KB to align them to 1024 bytes."""
+    return (2 + 2 * 2) * (hd // 64) * 64 * 64 * 2 + 1024
 
 
 def kernel_family(spec, block_mask, *arrays):
     """"sm90" where the Hopper kernels (cuda/fwd_sm90.cu) run this call's forward, else
     "generic" (the mma.sync and plain kernels, on every GPU). CUPYFLASH_KERNELS=generic forces
     the generic kernels (to compare the two on one GPU). The Hopper forward covers, so far:
-    fp16/bf16 at head-dim bucket 128 with 16-byte aligned rows (the copy engine's rule), dense
-    or with a causal or local band; the rest runs the generic kernels."""
+    fp16/bf16 with 16-byte aligned rows (the copy engine's rule), every head-dim bucket, every
+    band, softcap, ALiBi, dropout and user mods, and block masks whose query blocks are 128
+    rows (its tile); the rest runs the generic kernels."""
     import cupy
     if os.environ.get("CUPYFLASH_KERNELS", "auto") == "generic":
         return "generic"
     if (cupy.cuda.Device().compute_capability == "90" and spec.dtype in TENSOR_CORE
-            and spec.headdim == 128 and block_mask is None and not spec.extras
+            and (block_mask is None or block_mask.block_q == SM90_FWD_ROWS)
             and _vec_ok(*arrays)):
         return "sm90"
     return "generic"
 
 
-def _forward_sm90(p, q, k, v, spec):
+def _forward_sm90(p, q, k, v, spec, block_mask):
     b, sq, h, d = q.shape
+    hd = sm90_headdim(spec.headdim)
+    if block_mask is not None:
+        _fill_lists(p, block_mask, SM90_FWD_ROWS, SM90_FWD_KEYS, spec.causal, kv=True, q=False)
+    _check_lists(p, "kv_blocks", SM90_FWD_ROWS, SM90_FWD_KEYS)
     tp = np.zeros((), FWD_SM90_PARAMS)
     grid = _tile_grid(p, _config.cdiv(sq, SM90_FWD_ROWS), h, b, spec.causal)
     tp["base"] = p
     for name, x in (("q", q), ("k", k), ("v", v)):
         tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
                               (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
-    name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], spec.headdim, spec.variant())
-    _launch("fwd_sm90.cu", name, grid, SM90_FWD_THREADS, SM90_FWD_SMEM, tp[()], spec.user_mods)
+    name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant())
+    _launch("fwd_sm90.cu", name, grid, SM90_FWD_THREADS, sm90_fwd_smem(hd), tp[()],
+            spec.user_mods)
 
 
 def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, dropout=None,
@@ -374,7 +389,7 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
     b, sq, h, d = q.shape
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
     if kernel_family(spec, block_mask, q, k, v) == "sm90":
-        _forward_sm90(p, q, k, v, spec)
+        _forward_sm90(p, q, k, v, spec, block_mask)
     elif spec.dtype in TENSOR_CORE:
         def name_of(t):
             return ("fwd.cu", template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps,
@@ -482,11 +497,15 @@ def kernel_names(smem_limit, hopper=False):
     with ``smem_limit`` bytes of shared memory per block (for warm-up and compile checks);
     ``hopper``: an sm_90 device, which also runs the Hopper kernels (``kernel_family``)."""
     names = {"fwd.cu": [], "bwd.cu": [], "generic.cu": [], "fwd_sm90.cu": []}
+    variants = [_spec.CallSpec("float16", 0, window=w, softcap=cap, alibi=alibi, dropout=drop)
+                for w in (_spec.NO_WINDOW, _spec.CAUSAL, (1, 1))
+                for cap, alibi, drop in ((0.0, False, 0.0), (1.0, False, 0.0), (0.0, True, 0.0),
+                                         (1.0, True, 0.0), (0.0, False, 0.5))]
     if hopper:
         names["fwd_sm90.cu"] = [
-            template_name("flash_fwd_sm90_kernel", ELEM[d], 128,
-                          _spec.CallSpec(d, 128, window=w).variant())
-            for d in TENSOR_CORE for w in (_spec.NO_WINDOW, _spec.CAUSAL, (1, 1))]
+            template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant())
+            for d in TENSOR_CORE for hd in sorted({sm90_headdim(b) for b in _config.HEAD_DIM_BUCKETS})
+            for spec in variants]
     for elem in ELEM.values():
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):
@@ -496,13 +515,10 @@ def kernel_names(smem_limit, hopper=False):
     # Every band with every score modifier (softcap, ALiBi, both) and with dropout (alone: not
     # yet with a modifier, check_supported); a window is refused with a block mask, so its
     # kernels need only the dense tiles.
-    variants = [(_spec.CallSpec("float16", 0, window=w, softcap=cap, alibi=alibi, dropout=drop),
-                 limits)
-                for w, limits in ((_spec.NO_WINDOW, every), (_spec.CAUSAL, every), ((1, 1), dense))
-                for cap, alibi, drop in ((0.0, False, 0.0), (1.0, False, 0.0), (0.0, True, 0.0),
-                                         (1.0, True, 0.0), (0.0, False, 0.5))]
+    limits_of = {_spec.NO_WINDOW: every, _spec.CAUSAL: every}
     for hd in _config.HEAD_DIM_BUCKETS:
-        for spec, limits in variants:
+        for spec in variants:
+            limits = limits_of.get(spec.window, dense)
             ex = spec.extras
             fwd = {_config.tile("fwd", hd, smem_limit, *lim, extras=ex) for lim in limits}
             bwd = {(_config.tile("bwd", hd, smem_limit, *lim, deterministic=not atomic,

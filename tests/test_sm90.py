@@ -10,8 +10,10 @@ The tensor-map builder's refusals need no GPU either.
 
 The Hopper forward (cuda/fwd_sm90.cu) against the float64 reference under FlashAttention's
 rule: odd lengths (tails of query and key blocks), seqlen_q != seqlen_k both ways, GQA/MQA,
-strided q (a slice of packed qkv), causal and local bands, rows that see no key, head dims of
-the 128 bucket below 128; each case asserts that the Hopper kernel is the one that ran.
+strided q (a slice of packed qkv), causal and local bands, rows that see no key, every
+head-dim bucket (head dims below the kernel's 64-column multiple), softcap, ALiBi, dropout
+(the exact public keep-mask) and a block mask; each case asserts that the Hopper kernel is the
+one that ran. (On an sm_90 GPU every other GPU test of the forward runs it too.)
 """
 import numpy as np
 import pytest
@@ -191,37 +193,66 @@ def test_probe_computes_qk_and_pv_from_tma_tiles_on_the_gpu(dtype, tmp_path):
 
 
 SM90_CASES = [
-    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, band
-    (2, 256, 256, 4, 4, 128, "none"),
-    (1, 1000, 777, 6, 2, 128, "none"),
-    (2, 77, 1025, 4, 1, 128, "causal"),
-    (1, 1025, 300, 3, 3, 128, "causal"),    # the first rows see no key
-    (2, 513, 513, 2, 1, 120, "causal"),
-    (1, 700, 900, 4, 2, 128, "window"),
-    (3, 1, 65, 2, 2, 128, "none"),
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, keywords
+    (2, 256, 256, 4, 4, 128, {}),
+    (1, 1000, 777, 6, 2, 128, {}),
+    (2, 77, 1025, 4, 1, 128, dict(causal=True)),
+    (1, 1025, 300, 3, 3, 128, dict(causal=True)),    # the first rows see no key
+    (2, 513, 513, 2, 1, 120, dict(causal=True)),
+    (1, 700, 900, 4, 2, 128, dict(window_size=(100, 30))),
+    (3, 1, 65, 2, 2, 128, {}),
+    (2, 300, 257, 4, 2, 40, dict(causal=True)),      # bucket 64: a 64-column kernel, zeros past 40
+    (1, 257, 300, 2, 2, 64, {}),
+    (1, 200, 333, 3, 1, 96, dict(causal=True)),      # bucket 96 in the 128-column kernel
+    (2, 129, 200, 2, 2, 160, {}),
+    (1, 300, 300, 2, 1, 200, dict(causal=True)),     # bucket 224 in the 256-column kernel
+    (1, 130, 97, 2, 2, 256, {}),
+    (1, 333, 300, 4, 2, 128, dict(softcap=5.0, causal=True)),
+    (2, 300, 333, 4, 4, 64, dict(alibi=True)),
+    (1, 260, 300, 2, 2, 128, dict(softcap=3.0, alibi=True, window_size=(64, 0))),
+    (2, 200, 300, 4, 2, 128, dict(dropout_p=0.2, seed=5, offset=1, causal=True)),
+    (1, 300, 257, 2, 2, 192, dict(dropout_p=0.3, seed=6)),
+    (1, 300, 400, 4, 2, 128, dict(block_mask="sliding")),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", SM90_CASES,
+                         ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(sorted(c[6])))
 def test_sm90_forward_matches_the_reference(case, dtype):
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("needs an sm_90 GPU")
     import ml_dtypes
-    b, sq, sk, h, hk, d, band = case
+    from reference import dropout_scale
+    b, sq, sk, h, hk, d, kw = case
+    kw = dict(kw)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
     packed = cupy.asarray(random_array(np, (b, sq, 3, h, d), np_dtype, sq + d))
     q = packed[:, :, 1]
     k, v = (cupy.asarray(random_array(np, (b, sk, hk, d), np_dtype, seed)) for seed in (sk, sk + 1))
-    kw = dict(causal=band == "causal", window_size=(100, 30) if band == "window" else (-1, -1))
-    spec = _spec.CallSpec.of(q, **kw)
-    assert _launch.kernel_family(spec, None, q, k, v) == "sm90"
+    ref_kw = dict(window_size=kw.get("window_size", (-1, -1)), softcap=kw.get("softcap", 0.0))
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = cupy.asarray(np.linspace(0.05, 0.5, h), cupy.float32)
+        ref_kw["alibi_slopes"] = kw["alibi_slopes"]
+    mask = None
+    if kw.pop("block_mask", None):
+        mask = cf.masks.sliding_window(sq, sk, 1, block_size=128)
+        kw["block_mask"] = mask
+    if kw.get("dropout_p"):
+        ref_kw["dropout"] = dropout_scale(cupy, b, h, sq, sk, kw["dropout_p"], kw["seed"],
+                                          kw.get("offset", 0))
+    spec = _spec.CallSpec.of(q, causal=kw.get("causal", False),
+                             window_size=kw.get("window_size", (-1, -1)),
+                             softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi_slopes"),
+                             dropout_p=kw.get("dropout_p", 0.0), block_mask=mask)
+    assert _launch.kernel_family(spec, mask, q, k, v) == "sm90"
     out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
     scale = d ** -0.5
-    ref_out, ref_lse = attention_ref(q, k, v, scale, kw["causal"], window_size=kw["window_size"])
-    naive_out, naive_lse = attention_naive(q, k, v, scale, kw["causal"], dtype,
-                                           window_size=kw["window_size"])
+    elem = None if mask is None else cupy.asarray(mask.to_dense())
+    causal = kw.get("causal", False)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, elem, **ref_kw)
+    naive_out, naive_lse = attention_naive(q, k, v, scale, causal, dtype, elem, **ref_kw)
     assert_rule("out", out, ref_out, naive_out, 2)
     assert_rule("lse", lse, ref_lse, naive_lse, 2)
