@@ -115,8 +115,7 @@ def _module(device_id, code, names):
 
 def _cache_error(e):
     """A clearer OSError for one raised while CuPy writes into its kernel cache, else None."""
-    cache_dir = os.path.abspath(os.environ.get("CUPY_CACHE_DIR")
-                                or os.path.expanduser("~/.cupy/kernel_cache"))
+    cache_dir = str(_cache_dir())
     if not e.filename or os.path.dirname(os.path.abspath(e.filename)) != cache_dir:
         return None
     # OSError(errno, text) gives the errno's subclass (PermissionError, ...), as CuPy raised.
@@ -127,46 +126,75 @@ def _cache_error(e):
 
 
 # Files whose kernels use Hopper's arch-specific instructions (wgmma, setmaxnreg): compiled
-# for sm_90a by NVRTC directly (CuPy's RawModule appends its own -arch=sm_90), the cubin kept in
-# CuPy's cache directory under a key of everything that changes it.
+# for sm_90a by NVRTC directly (CuPy's RawModule appends its own -arch=sm_90). The result is
+# kept in CuPy's cache directory in CuPy's file format (the hex SHA-1 of the rest, then the
+# rest: the kernel's lowered name, a NUL byte, the cubin), under a key of everything that
+# changes it; a file that fails the check is compiled again and rewritten, a read-only
+# directory is used for reading, CUPY_CACHE_IN_MEMORY=1 keeps it off the disk, as CuPy's own.
 ARCH_SPECIFIC = {"fwd_sm90.cu": "sm_90a"}
 
 
-def _cubin_path(code, name, arch):
+def _cache_dir():
+    return Path(os.path.abspath(os.environ.get("CUPY_CACHE_DIR")
+                                or os.path.expanduser("~/.cupy/kernel_cache")))
+
+
+def _nvrtc_cubin(code, name, arch):
+    """(lowered name, cubin) of instantiation ``name`` of ``code`` for ``arch``."""
     from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(code, name.split("<")[0] + ".cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"{name} failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
+        return nvrtc.getLoweredName(prog, name), nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _cached_cubin(code, name, arch):
     import hashlib
+    from cupy_backends.cuda.libs import nvrtc
+    if os.environ.get("CUPY_CACHE_IN_MEMORY") == "1":
+        return _nvrtc_cubin(code, name, arch)
     key = hashlib.sha256("\0".join((code, name, arch, *NVRTC_OPTIONS,
                                      str(nvrtc.getVersion()))).encode()).hexdigest()
-    cache_dir = Path(os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache"))
-    return cache_dir / f"cupyflash_{arch}_{key}.cubin"
+    path = _cache_dir() / f"cupyflash_{arch}_{key}.cubin"
+    try:
+        data = path.read_bytes()
+    except OSError:
+        data = b""
+    if data[:40] == hashlib.sha1(data[40:]).hexdigest().encode():
+        lowered, _, cubin = data[40:].partition(b"\0")
+        if cubin:
+            return lowered.decode(), cubin
+    lowered, cubin = _nvrtc_cubin(code, name, arch)
+    rest = lowered.encode() + b"\0" + cubin
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(hashlib.sha1(rest).hexdigest().encode() + rest)
+        os.replace(tmp, path)
+    except OSError as e:
+        error = _cache_error(e)
+        if error is None:
+            raise
+        raise error from e
+    return lowered, cubin
 
 
 @_once_per_key
 def get_arch_kernel(device_id, code, name, arch):
-    """Kernel ``name`` of ``code`` compiled for ``arch``: a cubin from the disk cache, or NVRTC
-    now. Beside the cubin, a ``.name`` file holds the kernel's lowered (mangled) name."""
+    """Kernel ``name`` of ``code`` compiled for ``arch`` (a cupy.cuda.function.Function: launch
+    it as a RawKernel; its attributes through the driver)."""
     import cupy
-    path = _cubin_path(code, name, arch)
-    name_path = path.with_suffix(".name")
-    if not (path.exists() and name_path.exists()):
-        from cupy_backends.cuda.libs import nvrtc
-        prog = nvrtc.createProgram(code, name.split("<")[0] + ".cu", [], [])
-        try:
-            nvrtc.addNameExpression(prog, name)
-            try:
-                nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
-            except nvrtc.NVRTCError as e:
-                raise RuntimeError(f"{name} failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
-            cubin, lowered = nvrtc.getCUBIN(prog), nvrtc.getLoweredName(prog, name)
-        finally:
-            nvrtc.destroyProgram(prog)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for target, data in ((name_path, lowered.encode()), (path, cubin)):
-            tmp = target.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, target)
+    lowered, cubin = _cached_cubin(code, name, arch)
     with cupy.cuda.Device(device_id):
-        return cupy.RawModule(path=str(path)).get_function(name_path.read_text())
+        module = cupy.cuda.function.Module()
+        module.load(cubin)
+        return module.get_function(lowered)
 
 
 def get_kernel(code, name):

@@ -134,7 +134,14 @@ def _kernel(source, name, device_id, smem, arch=None):
     must opt in), not on every launch. Keyed by the source text itself, as _compile's modules
     are: another text under the same file name is another kernel. ``arch``: compiled for that
     target (an arch-specific one, _compile.ARCH_SPECIFIC), not the device's own."""
-    kernel = _compile.get_arch_kernel(device_id, source, name, arch) if arch else get_kernel(source, name)
+    if arch:
+        kernel = _compile.get_arch_kernel(device_id, source, name, arch)
+        if smem > 48 * 1024:
+            from cupy_backends.cuda.api import driver
+            driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    smem)
+        return kernel
+    kernel = get_kernel(source, name)
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel
