@@ -17,7 +17,6 @@
 #include "seqinfo.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
-#include "dropout.cuh"
 #include "block_iter.cuh"
 #include "epilogue.cuh"
 
@@ -36,6 +35,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr int Sub = 64 * 64;           // elements of a 64-row sub-tile
     constexpr int NT = Bc / 8, DT = HeadDim / 8;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
+    // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
+    // registers of a second block per SM, and the kernel was slower than the generic one.
+    static_assert(!V::Dropout, "no dropout in this kernel");
     static_assert(Br * (HeadDim + SMEM_PAD) <= 2 * Stages * Halves * Sub, "the epilogue stages O in the K and V buffers");
     const FwdParams& p = tp.base;
 
@@ -56,7 +58,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     mask.at_head(at.batch, h);
     ScoreMod<V, FwdParams> mod(p);
     mod.at_head(at.batch, h);
-    const Dropout drop(p, at.batch, h);
     const int row0 = at.tile * Br;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const int wrow = warp * 16;   // warpgroup wg's rows are 64 wg .. 64 wg + 63
@@ -123,11 +124,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         mod.apply<false>(s, row0 + wrow, n0, lane);
         if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
         softmax.update(s, acc, mod.mult());
-        // Dropped weights leave O, not l: the softmax's sums are the undropped ones.
-        if constexpr (V::Dropout)
-            drop.for_each<false, 1, NT>(row0 + wrow, n0, lane, [&](int m, int n, int e, unsigned keep) {
-                if (!keep) s[m][n][e] = 0.f;
-            });
         // P as A fragments: keys 16kk.. are the n8 tiles 2kk and 2kk + 1.
         u32 pa[Bc / 16][4];
 #pragma unroll
@@ -151,5 +147,5 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 
     // The K and V buffers (no longer read: epilogue_begin waits for every warp) stage O.
     fwd_epilogue<Elem, Br, HeadDim, Threads>(p, seq, h, row0, seq.seqlen_q() - row0, wrow, lane, p.vec_ok != 0,
-                                             softmax, mod.mult(), V::Dropout ? drop.scale : 1.f, acc, sK);
+                                             softmax, mod.mult(), 1.f, acc, sK);
 }

@@ -352,12 +352,13 @@ def kernel_family(spec, block_mask, *arrays):
     "generic" (the mma.sync and plain kernels, on every GPU). CUPYFLASH_KERNELS=generic forces
     the generic kernels (to compare the two on one GPU). The Hopper forward covers, so far:
     fp16/bf16 with 16-byte aligned rows (the copy engine's rule), every head-dim bucket, every
-    band, softcap, ALiBi, dropout and user mods, and block masks whose query blocks are 128
-    rows (its tile); the rest runs the generic kernels."""
+    band, softcap, ALiBi and user mods, and block masks whose query blocks are 128 rows (its
+    tile); the rest (dropout: slower there so far) runs the generic kernels."""
     import cupy
     if os.environ.get("CUPYFLASH_KERNELS", "auto") == "generic":
         return "generic"
     if (cupy.cuda.Device().compute_capability == "90" and spec.dtype in TENSOR_CORE
+            and not spec.dropout
             and (block_mask is None or block_mask.block_q == SM90_FWD_ROWS)
             and _vec_ok(*arrays)):
         return "sm90"
@@ -512,7 +513,7 @@ def kernel_names(smem_limit, hopper=False):
         names["fwd_sm90.cu"] = [
             template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant())
             for d in TENSOR_CORE for hd in sorted({sm90_headdim(b) for b in _config.HEAD_DIM_BUCKETS})
-            for spec in variants]
+            for spec in variants if not spec.dropout]
     for elem in ELEM.values():
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):

@@ -11,9 +11,10 @@ The tensor-map builder's refusals need no GPU either.
 The Hopper forward (cuda/fwd_sm90.cu) against the float64 reference under FlashAttention's
 rule: odd lengths (tails of query and key blocks), seqlen_q != seqlen_k both ways, GQA/MQA,
 strided q (a slice of packed qkv), causal and local bands, rows that see no key, every
-head-dim bucket (head dims below the kernel's 64-column multiple), softcap, ALiBi, dropout
-(the exact public keep-mask) and a block mask; each case asserts that the Hopper kernel is the
-one that ran. (On an sm_90 GPU every other GPU test of the forward runs it too.)
+head-dim bucket (head dims below the kernel's 64-column multiple), softcap, ALiBi and a block
+mask; each case asserts that the Hopper kernel is the one that ran (on an sm_90 GPU every other
+GPU test of such a forward runs it too). Dropout, block masks of 64-row query blocks and rows
+not 16-byte aligned go to the generic kernels.
 """
 import numpy as np
 import pytest
@@ -210,8 +211,6 @@ SM90_CASES = [
     (1, 333, 300, 4, 2, 128, dict(softcap=5.0, causal=True)),
     (2, 300, 333, 4, 4, 64, dict(alibi=True)),
     (1, 260, 300, 2, 2, 128, dict(softcap=3.0, alibi=True, window_size=(64, 0))),
-    (2, 200, 300, 4, 2, 128, dict(dropout_p=0.2, seed=5, offset=1, causal=True)),
-    (1, 300, 257, 2, 2, 192, dict(dropout_p=0.3, seed=6)),
     (1, 300, 400, 4, 2, 128, dict(block_mask="sliding")),
 ]
 
@@ -225,7 +224,6 @@ def test_sm90_forward_matches_the_reference(case, dtype):
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("needs an sm_90 GPU")
     import ml_dtypes
-    from reference import dropout_scale
     b, sq, sk, h, hk, d, kw = case
     kw = dict(kw)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
@@ -240,13 +238,10 @@ def test_sm90_forward_matches_the_reference(case, dtype):
     if kw.pop("block_mask", None):
         mask = cf.masks.sliding_window(sq, sk, 1, block_size=128)
         kw["block_mask"] = mask
-    if kw.get("dropout_p"):
-        ref_kw["dropout"] = dropout_scale(cupy, b, h, sq, sk, kw["dropout_p"], kw["seed"],
-                                          kw.get("offset", 0))
     spec = _spec.CallSpec.of(q, causal=kw.get("causal", False),
                              window_size=kw.get("window_size", (-1, -1)),
                              softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi_slopes"),
-                             dropout_p=kw.get("dropout_p", 0.0), block_mask=mask)
+                             block_mask=mask)
     assert _launch.kernel_family(spec, mask, q, k, v) == "sm90"
     out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
     scale = d ** -0.5
@@ -256,3 +251,19 @@ def test_sm90_forward_matches_the_reference(case, dtype):
     naive_out, naive_lse = attention_naive(q, k, v, scale, causal, dtype, elem, **ref_kw)
     assert_rule("out", out, ref_out, naive_out, 2)
     assert_rule("lse", lse, ref_lse, naive_lse, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["dropout", "mask64", "unaligned", "forced"])
+def test_what_the_hopper_forward_does_not_cover_runs_the_generic_kernels(what, monkeypatch):
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    d = 36 if what == "unaligned" else 64      # 72-byte rows are not 16-byte multiples
+    q, k, v = (cupy.asarray(random_array(np, (1, 130, 2, d), np.float16, s)) for s in (1, 2, 3))
+    kw = dict(dropout_p=0.1) if what == "dropout" else {}
+    mask = cf.masks.sliding_window(130, 130, 1, block_size=64) if what == "mask64" else None
+    if what == "forced":
+        monkeypatch.setenv("CUPYFLASH_KERNELS", "generic")
+    spec = _spec.CallSpec.of(q, causal=False, block_mask=mask, **kw)
+    assert _launch.kernel_family(spec, mask, q, k, v) == "generic"
