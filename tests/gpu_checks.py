@@ -6,9 +6,14 @@ to their own precision (float32 error rules out TF32). lse is compared with the 
 same (dtype-rounded) inputs.
 
 The checks take a test case (``Case``, or any object with its fields: ``dtype``, a key of
-``DTYPES``, ``batch``, ``sq``, ``sk``, ``nheads``, ``nheads_k``, ``d`` and ``causal``), and an
-optional element ``mask`` (bool, (heads or 1, sq, sk), True where visible) that the reference
-applies on top of ``causal``.
+``DTYPES``, ``batch``, ``sq``, ``sk``, ``nheads``, ``nheads_k``, ``d`` and ``causal``), an
+optional element ``mask`` (bool, (heads or 1, sq, sk) or (batch or 1, heads or 1, sq, sk), True
+where visible) that the reference applies on top of ``causal``, and the call's variant as
+tests/reference.py's keywords (``window_size``, ``softcap``, ``alibi_slopes``, ``dropout``: the
+multiplier of P, ``score_mod``: a dense spelling of the user's), passed through to the reference
+and the naive implementation. Where ALiBi or a score_mod moves the scores far from 0, the fp32
+and fp64 bounds widen with the largest |lse| (``tight_rtol``); the gradients of a score_mod's
+arrays are held to ``assert_table_rule``.
 
 Importable without CuPy (``cp`` is then None): test_interop.py's host-only tests use the
 tolerances and seeds from here.
@@ -31,10 +36,11 @@ import cupyflash as cf
 
 try:
     from reference import (assert_rule, attention_naive, attention_naive_backward,
-                           attention_ref, attention_ref_backward, random_inputs)
+                           attention_ref, attention_ref_backward, max_abs_err, random_inputs)
 except ImportError:
     from tests.reference import (assert_rule, attention_naive, attention_naive_backward,
-                                 attention_ref, attention_ref_backward, random_inputs)
+                                 attention_ref, attention_ref_backward, max_abs_err,
+                                 random_inputs)
 
 DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16),
           "fp32": np.dtype(np.float32), "fp64": np.dtype(np.float64)}
@@ -136,24 +142,72 @@ def assert_lse(lse, ref_lse, dtype_name):
                           f"max abs error {float(err.max()):.3e}")
 
 
-def check_forward(case, q, k, v, out, lse, scale, mask=None):
-    """out and lse against the float64 reference (under the element ``mask`` if given)."""
+def tight_rtol(case, lse=None, variant=None):
+    """The bound of fp32 (``fp32_rtol``) and fp64 (``FP64_RTOL``), relative to the largest
+    reference value. Where the ``variant`` (reference keywords) has ALiBi or a score_mod,
+    which can move the scores far from 0 (a linear bias at long distances), 4 roundings of
+    the largest finite |lse| where that is more: the kernels' scores and the lse the backward
+    is handed are in the input dtype, and their rounding turns into a relative error of that
+    size in P = exp(s - lse). ``lse``: the reference's (forward) or the one the backward was
+    handed; needed only there."""
+    base = fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else FP64_RTOL
+    variant = variant or {}
+    if variant.get("alibi_slopes") is None and variant.get("score_mod") is None:
+        return base
+    if lse is None:
+        raise ValueError("tight_rtol: ALiBi and a score_mod widen the bound by the lse: pass it")
+    finite = cp.isfinite(lse)
+    top = float(cp.abs(lse[finite]).max()) if bool(finite.any()) else 0.0
+    rounding = 2.0 ** -24 if case.dtype == "fp32" else 2.0 ** -53
+    return max(base, 4 * rounding * top)
+
+
+def check_forward(case, q, k, v, out, lse, scale, mask=None, **variant):
+    """out and lse against the float64 reference (under the element ``mask`` if given, with
+    the reference keywords ``variant``)."""
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (case.batch, case.nheads, case.sq)
-    ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask, **variant)
     if case.dtype in HALF:
-        naive = first(attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask))
+        naive = first(attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask,
+                                      **variant))
         assert not has_nan(out), "out has NaN"
         assert_rule("out", out, ref_out, naive, FWD_FACTOR)
     else:
-        rtol = fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else FP64_RTOL
-        assert_tight("out", out, ref_out, rtol)
+        assert_tight("out", out, ref_out, tight_rtol(case, ref_lse, variant))
     assert_lse(lse, ref_lse, case.dtype)
 
 
-def check_backward(case, dout, q, k, v, grads, scale, mask=None):
-    """(dq, dk, dv) against the float64 reference (under the element ``mask`` if given)."""
-    refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask)
+def assert_table_rule(name, got, ref, ref_given_out, naive, size):
+    """FlashAttention's rule for the gradient of a score_mod's array (host arrays), with the
+    kernels' error taken against the reference given the out they were handed: the backward
+    takes D = rowsum(dout * out) from out as the forward rounded it, and a table entry adds
+    that rounding up over whole rows and heads, which a naive implementation (D from P dP)
+    does not. ``size``: the largest sum of the terms' sizes (tests/reference.py), the
+    slack's scale: an entry may cancel to 0 (exactly, where each row sees one key, while the
+    kernels add rounding noise)."""
+    assert not np.isnan(got).any(), f"{name} has NaN"
+    err, naive_err = max_abs_err(got, ref_given_out), max_abs_err(naive, ref)
+    bound = BWD_FACTOR * naive_err + 1e-6 * size + 1e-7
+    assert err <= bound, (f"{name}: max error {err:.3e} vs the reference given out exceeds "
+                          f"{BWD_FACTOR} x naive error {naive_err:.3e} + slack (= {bound:.3e})")
+
+
+def check_backward(case, dout, q, k, v, grads, scale, mask=None, *, out=None, lse=None,
+                   **variant):
+    """(dq, dk, dv) against the float64 reference (under the element ``mask`` if given, with
+    the reference keywords ``variant``); ``lse``, the one the backward was handed, where
+    ``tight_rtol`` needs it. With a score_mod that names arrays whose gradient the backward
+    returns (a fourth result, float32, float64 for fp64), those by ``assert_table_rule``
+    against a naive implementation's (its rounded dS added up in float32, float64 for fp64)
+    and the reference given ``out``, the forward's out the backward was handed."""
+    refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask, **variant)
+    # With a score_mod the reference adds its arrays' gradients and the sizes of their terms.
+    ref_tables, sizes = refs[3:] if len(refs) == 5 else ({}, {})
+    refs = refs[:3]
+    tables = grads[3] if len(grads) == 4 else {}
+    assert set(tables) == set(ref_tables), \
+        f"table gradients {sorted(tables)}, expected {sorted(ref_tables)}"
     # One scale for the three gradients: a gradient that cancels to exactly 0 has none of its
     # own, and its own max would make rounding noise look infinite. Dense: dq when seqlen_k = 1
     # (dS = dP - D = 0); with a mask also dq of a row that sees one key and dk/dv of keys no
@@ -162,15 +216,32 @@ def check_backward(case, dout, q, k, v, grads, scale, mask=None):
     for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
         assert g.shape == like.shape and g.dtype == like.dtype, \
             f"{name}: {g.shape} {g.dtype}, expected {like.shape} {like.dtype}"
+    naives = None
+    if case.dtype in HALF or tables:
+        naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype,
+                                          mask=mask, **variant)
     if case.dtype in HALF:
-        naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype, mask=mask)
         for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
             assert not has_nan(g), f"{name} has NaN"
             assert_rule(name, g, r, n, BWD_FACTOR, magnitude)
     else:
-        rtol = fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else FP64_RTOL
+        rtol = tight_rtol(case, lse, variant)
         for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
             assert_tight(name, g, r, rtol, magnitude)
+    if not tables:
+        return
+    if out is None:
+        raise ValueError("check_backward: the gradients of a score_mod's arrays are checked "
+                         "against the reference given the forward's out: pass out=")
+    given = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask, out=out,
+                                   **variant)[3]
+    table_dtype = cp.float64 if case.dtype == "fp64" else cp.float32
+    for name, t in tables.items():
+        assert isinstance(t, cp.ndarray) and t.dtype == table_dtype, \
+            f"d {name}: {type(t)} {t.dtype}"
+        assert t.shape == ref_tables[name].shape, f"d {name}: shape {t.shape}"
+        assert_table_rule(f"d {name}", cp.asnumpy(t), ref_tables[name], given[name],
+                          naives[3][name], float(sizes[name].max()))
 
 
 def run_and_check(case, q, k, v, dout, deterministic=False, block_mask=None):

@@ -647,11 +647,12 @@ def no_window(shape):
 
 
 @st.composite
-def windows(draw, shape):
-    """``window_size`` for this shape: each side -1 (unbounded), small (0..8: tiles crossed
-    by both edges, rows that see no key) or anything up to seqlen_q + seqlen_k (past the
-    sequence ends, which is no bound)."""
-    side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, shape.sq + shape.sk))
+def windows(draw, shape, min_side=0):
+    """``window_size`` for this shape: each side -1 (unbounded), small (min_side..min_side +
+    8: tiles crossed by both edges, rows that see no key) or anything from min_side up to
+    seqlen_q + seqlen_k (past the sequence ends, which is no bound)."""
+    side = st.one_of(st.just(-1), st.integers(min_side, min_side + 8),
+                     st.integers(min_side, max(min_side, shape.sq + shape.sk)))
     return (draw(side), draw(side))
 
 
@@ -660,9 +661,19 @@ def maybe_windows(shape):
     return st.one_of(no_window(shape), windows(shape))
 
 
+def softcaps_on():
+    """A cap from well inside the scores' range to past it."""
+    return st.floats(0.1, 50.0)
+
+
 def softcaps():
-    """0 (off) half the time, else a cap from well inside the scores' range to past it."""
-    return st.one_of(st.just(0.0), st.floats(0.1, 50.0))
+    """0 (off) half the time, else ``softcaps_on``."""
+    return st.one_of(st.just(0.0), softcaps_on())
+
+
+def alibis_on():
+    """Slopes per head or per (batch, head)."""
+    return st.sampled_from(("heads", "batch"))
 
 
 def alibis():
@@ -670,13 +681,18 @@ def alibis():
     return st.sampled_from((None, None, "heads", "batch"))
 
 
-def dropouts():
-    """No dropout half the time, else a probability from tiny to most keys dropped, with any
-    seed and offset (both ends of their ranges among them)."""
+def dropouts_on():
+    """A probability from tiny to most keys dropped, with any seed and offset (both ends of
+    their ranges among them)."""
     p = st.one_of(st.sampled_from((0.1, 0.5)), st.floats(1e-3, 0.95))
     seed = st.one_of(st.sampled_from((0, 2**64 - 1)), st.integers(0, 2**64 - 1))
     offset = st.one_of(st.sampled_from((0, 2**32 - 1)), st.integers(0, 2**32 - 1))
-    return st.one_of(st.just(Dropout()), st.builds(Dropout, p, seed, offset))
+    return st.builds(Dropout, p, seed, offset)
+
+
+def dropouts():
+    """No dropout half the time, else ``dropouts_on``."""
+    return st.one_of(st.just(Dropout()), dropouts_on())
 
 
 def no_mask(shape):

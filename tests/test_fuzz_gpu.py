@@ -5,14 +5,17 @@ One hypothesis test per kernel family, each with its own number of examples (``E
 =====================  ========  ====================================================
 family                 examples  what runs
 =====================  ========  ====================================================
-fwd_half               500       fp16/bf16 tensor-core forward, dense, user mods
-bwd_atomic             450       fp16/bf16 forward + backward, dQ added up by atomics,
-                                 user mods
+fwd_half               500       fp16/bf16 tensor-core forward, dense; variants
+                                 (window, softcap, ALiBi, dropout), user mods
+bwd_atomic             450       fp16/bf16 forward + backward, dQ added up by atomics;
+                                 variants, user mods
 bwd_deterministic      300       fp16/bf16 forward + deterministic backward, run twice:
-                                 the two dq, dk, dv must be bit-identical; user mods
-sparse                 450       fp16/bf16 block-sparse forward + backward (either dQ)
-plain                  300       fp32/fp64 kernels, dense or block-sparse, fwd + bwd,
+                                 the two dq, dk, dv must be bit-identical; variants,
                                  user mods
+sparse                 450       fp16/bf16 block-sparse forward + backward (either dQ);
+                                 softcap, ALiBi, dropout
+plain                  300       fp32/fp64 kernels, dense or block-sparse, fwd + bwd;
+                                 variants (a window only dense), user mods
 =====================  ========  ====================================================
 
 2,000 examples in all; ``CUPYFLASH_FUZZ_EXAMPLES=N`` runs N in all, in the same shares. At
@@ -23,18 +26,35 @@ Cases (tests/strategies.py): batch, seqlen_q and seqlen_k 1..2048 (tile edges 63
 127/128/129, ..., 1023/1024/1025, unequal both ways), GQA/MQA, head dims 1..256, causal,
 packed and padded strided layouts (aligned and unaligned rows), an explicit softmax_scale, for
 the block-sparse families masks of every builder (block sizes 64/128 per side, shared or per
-head, with or without the mask's own causal), and in the families marked "user mods", in
-about one example in ``MODS_ONE_IN``, user mods from strategies.py's library (score_mods: a
-T5-style bucketed relative bias with its table's gradient, ALiBi spelled as a score_mod, a
-learned tanh cap per head with its gradient; mask_mods: documents, prefix-LM, a local window
-per head; alone or a pair; a mask_mod only where there is no block mask). The sizes stay under
-a budget (``GPU_SHAPES``). Measured on an H200 with our kernels compiled beforehand (``python
--m cupyflash warmup``, or in parallel), CuPy's own kernels for the reference not: 179 s for
-the 2,000 examples, 92 s of it in the first family (which also compiles those CuPy kernels);
-that was before user mods. Their kernels cannot be compiled beforehand (one set per snippet
-pair): drawn on the CPU from six seeds, 60-110 examples of a run had user mods, which needed
-45-80 kernels (pair x dtype x head-dim bucket x band x pass; more where a tile spills and the
-next is tried), 0.3-2.5 s of NVRTC each on the 2-core development machine (sm_90).
+head, with or without the mask's own causal).
+
+Variants (``VARIANTS``, ``variant_cases``): each example draws one set of the built-in
+features ``window_size`` (either side unbounded, 0..8 or anything up to seqlen_q + seqlen_k),
+``softcap`` (0.1..50), ALiBi (float32 slopes in [1/256, 1], per head or per (batch, head)) and
+dropout (p from 1e-3 to 0.95, any seed and offset), by weight. Drawn on the CPU from four
+seeds, a third to a half of each family's examples had none, each feature came up in 11-30% of
+them (mostly about a fifth), and 60-90% of the examples with any had one alone. Only what the
+GPU runs: no dropout with softcap, ALiBi or a score_mod (NotImplementedError), no window with a
+block mask or a mask_mod (ValueError); the sparse family draws no window, and in plain an
+example with a window has no block mask. Where fp16/bf16 gradients are checked, dropout leaves
+out shapes and windows whose rows would see one key only (``variant_cases`` says why). These
+kernels are compiled beforehand by ``python -m cupyflash warmup``.
+
+User mods, in the families that say so, in about one example in ``MODS_ONE_IN``: from
+strategies.py's library (score_mods: a T5-style bucketed relative bias with its table's
+gradient, ALiBi spelled as a score_mod, a learned tanh cap per head with its gradient;
+mask_mods: documents, prefix-LM, a local window per head; alone or a pair; a score_mod only
+without softcap, ALiBi and dropout, a mask_mod only where there is no block mask or window).
+The sizes stay under a budget (``GPU_SHAPES``). Measured on an H200 with our kernels compiled
+beforehand (``python -m cupyflash warmup``, or in parallel), CuPy's own kernels for the
+reference not: 179 s for the 2,000 examples, 92 s of it in the first family (which also
+compiles those CuPy kernels); that was before user mods and variants. The mods' kernels cannot
+be compiled beforehand (one set per snippet pair): drawn on the CPU from six seeds, 60-110
+examples of a run had user mods (before variants, which now take some of the examples that
+allowed a score_mod), which needed 45-80 kernels (pair x dtype x head-dim bucket x band x pass;
+more where a tile spills and the next is tried), 0.3-2.5 s of NVRTC each on the 2-core
+development machine (sm_90). The reference's dropout keep-mask is generated on the host
+(``cupyflash.dropout_mask``): about 0.1 s for 8M scores on that machine.
 
 Checks (tests/gpu_checks.py, unchanged tolerances): fp16/bf16 within 2x (out) and 3x (dq, dk,
 dv) the error of a naive same-dtype implementation against the float64 reference; fp32 and
@@ -42,13 +62,15 @@ fp64 to their own precision; lse against the float64 lse, -inf exactly on rows w
 no NaN anywhere, every element compared. Besides: out and dq exactly 0 on rows that see no
 key, dk and dv exactly 0 on keys no query sees. The outputs cannot be poisoned through the
 public API (it allocates them), so an element the kernels never write shows only as a wrong
-value or a NaN. With user mods the reference applies their dense spelling (a mask_mod as an
-element mask, a score_mod in the scores: ``check_*_score_mod``, the same checks, the fp32 and
-fp64 bounds widened to 4 roundings of the largest |lse| where a score_mod moves the scores
-that far from 0, ``_rtol``). The gradients of a score_mod's arrays (float32, float64 for
+value or a NaN. The reference and the naive implementation apply the case's variant
+(``check_forward`` / ``check_backward`` take tests/reference.py's keywords): the window, cap
+and slopes as given, dropout as the public keep-mask (``Case.dropout_scale``), a mask_mod as
+an element mask and a score_mod in its dense spelling. Where ALiBi or a score_mod moves the
+scores far from 0, the fp32 and fp64 bounds widen to 4 roundings of the largest |lse|
+(``gpu_checks.tight_rtol``). The gradients of a score_mod's arrays (float32, float64 for
 fp64): their error against the float64 reference given the out the kernels were handed within
 3x a naive implementation's error, plus 1e-6 of the sizes of their terms
-(``assert_table_rule`` says why).
+(``gpu_checks.assert_table_rule`` says why).
 
 The fp16/bf16 rule compares largest errors, which says something only over enough rows: with
 a handful, the naive implementation can land near the exact answer by luck. And the backward
@@ -68,10 +90,10 @@ t.check_case(Case(...))"
 
 (``t.check_forward_case`` for a failure of ``fwd_half``).
 """
+import functools
 import os
 import random
 
-import numpy as np
 import pytest
 
 pytest.importorskip("hypothesis")
@@ -83,23 +105,19 @@ from hypothesis import strategies as st  # noqa: E402
 import cupyflash as cf  # noqa: E402
 
 try:
-    from gpu_checks import (BWD_FACTOR, FP64_RTOL, FWD_FACTOR, assert_lse,  # noqa: E402
-                            assert_tight, check_backward, check_forward, fp32_rtol, has_nan)
-    from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
-                           attention_ref, attention_ref_backward, max_abs_err)
-    from strategies import (FUZZ_PROFILE, HALF, PLAIN, ExampleCounts,  # noqa: E402
-                            assert_zero_where_unseen, block_masks, cases, layouts,
-                            maybe_block_masks, shapes, user_mods)
+    from gpu_checks import check_backward, check_forward  # noqa: E402
+    from strategies import (FUZZ_PROFILE, HALF, MASK_BLOCK_SIZES, PLAIN,  # noqa: E402
+                            Dropout, ExampleCounts, alibis_on, assert_zero_where_unseen,
+                            block_masks, cases, dropouts_on, layouts, maybe_block_masks,
+                            no_mask, no_mods, no_window, shapes, softcaps_on, user_mods,
+                            windows)
 except ImportError:
-    from tests.gpu_checks import (BWD_FACTOR, FP64_RTOL, FWD_FACTOR,  # noqa: E402
-                                  assert_lse, assert_tight, check_backward, check_forward,
-                                  fp32_rtol, has_nan)
-    from tests.reference import (assert_rule, attention_naive,  # noqa: E402
-                                 attention_naive_backward, attention_ref,
-                                 attention_ref_backward, max_abs_err)
-    from tests.strategies import (FUZZ_PROFILE, HALF, PLAIN, ExampleCounts,  # noqa: E402
-                                  assert_zero_where_unseen, block_masks, cases, layouts,
-                                  maybe_block_masks, shapes, user_mods)
+    from tests.gpu_checks import check_backward, check_forward  # noqa: E402
+    from tests.strategies import (FUZZ_PROFILE, HALF, MASK_BLOCK_SIZES,  # noqa: E402
+                                  PLAIN, Dropout, ExampleCounts, alibis_on,
+                                  assert_zero_where_unseen, block_masks, cases, dropouts_on,
+                                  layouts, maybe_block_masks, no_mask, no_mods, no_window,
+                                  shapes, softcaps_on, user_mods, windows)
 
 pytestmark = pytest.mark.gpu
 
@@ -136,9 +154,21 @@ HALF_BWD_MIN_HEADDIM = 16
 # there dS = 0 exactly in the reference and in a naive implementation alike, while the
 # kernels' dS = P (dP - D) is fp32 noise (dP and D = rowsum(dout * out) summed in different
 # orders), and the rule would hold that noise to an error of 0 (a precaution: the NumPy path
-# standing in for the kernels on the CPU has no such noise to show).
+# standing in for the kernels on the CPU has no such noise to show). With dropout the same
+# rows fail in earnest, and windows drawn with it keep HALF_MIN_KEYS too (``variant_cases``).
 MODS_ONE_IN = int(os.environ.get("CUPYFLASH_FUZZ_MODS_ONE_IN", "16"))
 HALF_MIN_KEYS = 8
+
+
+# The built-in variants: each example draws one of these sets of features, by weight, so
+# that about two in five examples draw none (the plain paths: hypothesis favours the first
+# choice a little), each feature comes up in about a fifth, mostly alone. Dropout never comes
+# with softcap or ALiBi (nor with a score_mod: ``variant_cases``), which the GPU refuses
+# (NotImplementedError). A window comes without a block mask (ValueError), and without a
+# mask_mod (``cases`` draws none there).
+VARIANTS = {(): 6, ("window",): 3, ("softcap",): 3, ("alibi",): 3, ("dropout",): 5,
+            ("window", "softcap"): 1, ("window", "alibi"): 1, ("softcap", "alibi"): 1,
+            ("window", "dropout"): 1, ("window", "softcap", "alibi"): 1}
 
 
 def half_mods(score, mask):
@@ -147,6 +177,50 @@ def half_mods(score, mask):
 
 def plain_mods(score, mask):
     return user_mods(score, mask, one_in=MODS_ONE_IN)
+
+
+@st.composite
+def variant_cases(draw, *, shape, mods=no_mods, mask=no_mask, with_window=True,
+                  half_grads=False, **fields):
+    """A ``cases(...)`` of ``shape`` with one of ``VARIANTS``: those with a window only where
+    ``with_window`` (they draw no block mask, the others ``mask``), a score_mod from ``mods``
+    only without dropout.
+
+    ``half_grads``: the family checks fp16/bf16 gradients. test_dropout.py leaves out
+    fp16/bf16 dropout at seqlen_k = 1: every row sees one key, so dS = P (keep dP / (1 - p)
+    - D) is exactly 0, in the naive reference too (D = rowsum(P dP)), while the kernels take
+    D = rowsum(dout * out) from out rounded to fp16/bf16 (FlashAttention's D; out = v / (1 -
+    p) is not a fp16/bf16 value), which leaves dq, dk at the output's rounding where the rule
+    allows ~0. The same holds wherever rows that see one key come without rows that see a
+    few (whose naive error is of that size): measured with the NumPy path on the CPU, whose
+    backward takes D from the rounded out too, a block mask whose last key block holds one
+    key (seqlen_k = 64 n + 1) and is all that some query blocks keep failed the rule by 1.2x
+    to 2,200x, and a window (0, 0) failed it as seqlen_k = 1 does. So with dropout: no seqlen_k
+    of one key per block (seqlen_k = 1 does not come up with these families' min_rows and
+    GPU_SHAPES, 64 n + 1 where block masks are drawn), and a window bounds each side at
+    HALF_MIN_KEYS keys or more, or not at all (rows at the ends of the band that see fewer
+    come with rows that see 2, 3, ... keys, as under causal)."""
+    s = draw(shape)
+    # The last key block holds one key: the whole sequence's, or a block mask's.
+    one_key = s.sk == 1 or (mask is not no_mask and
+                            any(s.sk % size == 1 for size in MASK_BLOCK_SIZES))
+    choices = [features for features, weight in VARIANTS.items() for _ in range(weight)
+               if (with_window or "window" not in features)
+               and not (half_grads and "dropout" in features and one_key)]
+    features = draw(st.sampled_from(choices))
+    dropout = "dropout" in features
+    min_side = HALF_MIN_KEYS if half_grads and dropout else 0
+    return draw(cases(
+        shape=st.just(s),
+        window=functools.partial(windows, min_side=min_side) if "window" in features
+        else no_window,
+        softcap=softcaps_on() if "softcap" in features else st.just(0.0),
+        alibi=alibis_on() if "alibi" in features else st.just(None),
+        dropout=dropouts_on() if dropout else st.just(Dropout()),
+        mask=no_mask if "window" in features else mask,
+        mods=(lambda score, mask: mods(False, mask)) if dropout else mods,
+        **fields))
+
 
 COUNTS = ExampleCounts("fuzz examples run per family (GPU)")
 
@@ -165,94 +239,22 @@ def fuzz(family):
     return wrap
 
 
-def _rtol(case, lse):
-    """The tight bound of fp32 and fp64 (gpu_checks'), or 4 roundings of the largest |lse|
-    where that is more: a score_mod can move the scores far from 0 (a linear bias at long
-    distances), and the kernels' scores and the lse the backward is handed are in the input
-    dtype, whose rounding P = exp(s - lse) turns into a relative error of that size."""
-    top = float(cp.abs(lse[cp.isfinite(lse)]).max()) if bool(cp.isfinite(lse).any()) else 0.0
-    rounding = 2.0 ** -24 if case.dtype == "fp32" else 2.0 ** -53
-    base = fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else FP64_RTOL
-    return max(base, 4 * rounding * top)
-
-
-def check_forward_score_mod(case, q, k, v, out, lse, elem, dense):
-    """gpu_checks.check_forward with the reference's ``score_mod``, the case's ``dense``
-    spelling (a mask_mod alone needs none: its element mask ``elem`` is a mask like a block
-    mask's)."""
-    assert out.shape == q.shape and out.dtype == q.dtype
-    ref_out, ref_lse = attention_ref(q, k, v, case.scale, case.causal, elem, score_mod=dense)
-    if case.dtype in HALF:
-        naive, _ = attention_naive(q, k, v, case.scale, case.causal, q.dtype, elem,
-                                   score_mod=dense)
-        assert not has_nan(out), "out has NaN"
-        assert_rule("out", out, ref_out, naive, FWD_FACTOR)
-    else:
-        assert_tight("out", out, ref_out, _rtol(case, ref_lse))
-    assert_lse(lse, ref_lse, case.dtype)
-
-
-def assert_table_rule(name, got, ref, ref_given_out, naive, size):
-    """FlashAttention's rule for the gradient of a mod's array, with the kernels' error taken
-    against the reference given the out they were handed: the backward takes D = rowsum(dout
-    * out) from out as the forward rounded it, and a table entry adds that rounding up over
-    whole rows and heads, which a naive implementation (D from P dP) does not. ``size``: the
-    largest sum of the terms' sizes (tests/reference.py), the slack's scale: an entry may
-    cancel to 0 (exactly, where each row sees one key, while the kernels add rounding
-    noise)."""
-    assert not np.isnan(got).any(), f"{name} has NaN"
-    err, naive_err = max_abs_err(got, ref_given_out), max_abs_err(naive, ref)
-    bound = BWD_FACTOR * naive_err + 1e-6 * size + 1e-7
-    assert err <= bound, (f"{name}: max error {err:.3e} vs the reference given out exceeds "
-                          f"{BWD_FACTOR} x naive error {naive_err:.3e} + slack (= {bound:.3e})")
-
-
-def check_backward_score_mod(case, dout, q, k, v, out, lse, grads, elem, dense):
-    """gpu_checks.check_backward with the reference's ``score_mod``; then the gradients of
-    the mod's arrays (float32, float64 for fp64 inputs) by ``assert_table_rule`` against a
-    naive implementation's (its rounded dS added up in float32, float64 for fp64)."""
-    tables = grads[3] if len(grads) == 4 else {}
-    ref = dict(scale=case.scale, causal=case.causal, mask=elem, score_mod=dense)
-    refs = attention_ref_backward(dout, q, k, v, **ref)
-    refs, ref_tables, sizes = refs[:3], refs[3], refs[4]
-    assert set(tables) == set(ref_tables), \
-        f"table gradients {sorted(tables)}, expected {sorted(ref_tables)}"
-    magnitude = max(float(cp.abs(r).max()) for r in refs)
-    for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-        assert g.shape == like.shape and g.dtype == like.dtype, \
-            f"{name}: {g.shape} {g.dtype}, expected {like.shape} {like.dtype}"
-    naives = attention_naive_backward(dout, q, k, v, dtype=q.dtype, **ref)
-    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
-        assert not has_nan(g), f"{name} has NaN"
-        if case.dtype in HALF:
-            assert_rule(name, g, r, n, BWD_FACTOR, magnitude)
-        else:
-            assert_tight(name, g, r, _rtol(case, lse), magnitude)
-    if not tables:
-        return
-    given = attention_ref_backward(dout, q, k, v, out=out, **ref)[3]
-    wide = cp.float64 if case.dtype == "fp64" else cp.float32
-    for name, t in tables.items():
-        assert isinstance(t, cp.ndarray) and t.dtype == wide, f"d {name}: {type(t)} {t.dtype}"
-        assert t.shape == ref_tables[name].shape, f"d {name}: shape {t.shape}"
-        assert_table_rule(f"d {name}", cp.asnumpy(t), ref_tables[name], given[name],
-                          naives[3][name], float(sizes[name].max()))
-
-
 def _forward(case):
+    """Runs and checks the forward of ``case``; returns what the backward needs: the inputs,
+    the call's keywords, the element mask, the reference's variant keywords, (out, lse)."""
     q, k, v, dout = case.inputs(cp)
     mask = case.block_mask()
     elem = case.element_mask(mask, cp)
-    user = case.user_mods(cp)
-    out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale,
-                                  block_mask=mask, return_lse=True, **user)
-    dense = case.dense_score_mod(cp)
-    if dense is None:
-        check_forward(case, q, k, v, out, lse, case.scale, elem)
-    else:
-        check_forward_score_mod(case, q, k, v, out, lse, elem, dense)
+    variant = case.variant(cp)
+    call = dict(causal=case.causal, softmax_scale=case.softmax_scale, block_mask=mask,
+                **variant, **case.dropout.keywords(), **case.user_mods(cp))
+    out, lse = cf.flash_attention(q, k, v, return_lse=True, **call)
+    # The reference applies dropout with the public keep-mask, a score_mod in its dense
+    # spelling (a mask_mod is in elem).
+    ref = dict(variant, dropout=case.dropout_scale(cp), score_mod=case.dense_score_mod(cp))
+    check_forward(case, q, k, v, out, lse, case.scale, elem, **ref)
     assert_zero_where_unseen(case, elem, out)
-    return (q, k, v, dout), mask, elem, user, (out, lse)
+    return (q, k, v, dout), call, elem, ref, (out, lse)
 
 
 def check_forward_case(case):
@@ -263,19 +265,14 @@ def check_forward_case(case):
 def check_case(case):
     """Forward and backward of ``case`` against the reference; with ``case.deterministic``
     the backward runs twice and must give the same bits."""
-    (q, k, v, dout), mask, elem, user, (out, lse) = _forward(case)
+    (q, k, v, dout), call, elem, ref, (out, lse) = _forward(case)
 
     def backward():
-        return cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
-                                           softmax_scale=case.softmax_scale, block_mask=mask,
-                                           deterministic=case.deterministic, **user)
+        return cf.flash_attention_backward(dout, q, k, v, out, lse,
+                                           deterministic=case.deterministic, **call)
 
     grads = backward()
-    dense = case.dense_score_mod(cp)
-    if dense is None:
-        check_backward(case, dout, q, k, v, grads, case.scale, elem)
-    else:
-        check_backward_score_mod(case, dout, q, k, v, out, lse, grads, elem, dense)
+    check_backward(case, dout, q, k, v, grads, case.scale, elem, out=out, lse=lse, **ref)
     assert_zero_where_unseen(case, elem, out, *grads[:3])
     if case.deterministic:
         # dq, dk and dv; a table's gradient is added up by atomics in either backward.
@@ -294,38 +291,42 @@ def _run(family, check, case):
 
 
 @fuzz("fwd_half")
-@given(cases(dtype=st.sampled_from(HALF), layout=layouts, deterministic=st.just(False),
-             shape=shapes(**GPU_SHAPES, min_rows=HALF_FWD_MIN_ROWS), mods=half_mods))
+@given(variant_cases(dtype=st.sampled_from(HALF), layout=layouts, deterministic=st.just(False),
+                     shape=shapes(**GPU_SHAPES, min_rows=HALF_FWD_MIN_ROWS), mods=half_mods))
 def test_fwd_half_dense(case):
     _run("fwd_half", check_forward_case, case)
 
 
 @fuzz("bwd_atomic")
-@given(cases(dtype=st.sampled_from(HALF), layout=layouts, deterministic=st.just(False),
-             shape=shapes(**GPU_SHAPES, min_rows=HALF_BWD_MIN_ROWS,
-                          min_headdim=HALF_BWD_MIN_HEADDIM), mods=half_mods))
+@given(variant_cases(dtype=st.sampled_from(HALF), layout=layouts, deterministic=st.just(False),
+                     shape=shapes(**GPU_SHAPES, min_rows=HALF_BWD_MIN_ROWS,
+                                  min_headdim=HALF_BWD_MIN_HEADDIM),
+                     mods=half_mods, half_grads=True))
 def test_bwd_half_atomic_dq(case):
     _run("bwd_atomic", check_case, case)
 
 
 @fuzz("bwd_deterministic")
-@given(cases(dtype=st.sampled_from(HALF), layout=layouts, deterministic=st.just(True),
-             shape=shapes(**GPU_SHAPES, min_rows=HALF_BWD_MIN_ROWS,
-                          min_headdim=HALF_BWD_MIN_HEADDIM), mods=half_mods))
+@given(variant_cases(dtype=st.sampled_from(HALF), layout=layouts, deterministic=st.just(True),
+                     shape=shapes(**GPU_SHAPES, min_rows=HALF_BWD_MIN_ROWS,
+                                  min_headdim=HALF_BWD_MIN_HEADDIM),
+                     mods=half_mods, half_grads=True))
 def test_bwd_half_deterministic(case):
     _run("bwd_deterministic", check_case, case)
 
 
 @fuzz("sparse")
-@given(cases(dtype=st.sampled_from(HALF), layout=layouts, mask=block_masks,
-             shape=shapes(**GPU_SHAPES, min_rows=HALF_BWD_MIN_ROWS,
-                          min_headdim=HALF_BWD_MIN_HEADDIM)))
+@given(variant_cases(dtype=st.sampled_from(HALF), layout=layouts, mask=block_masks,
+                     with_window=False,
+                     shape=shapes(**GPU_SHAPES, min_rows=HALF_BWD_MIN_ROWS,
+                                  min_headdim=HALF_BWD_MIN_HEADDIM),
+                     half_grads=True))
 def test_block_sparse_half(case):
     _run("sparse", check_case, case)
 
 
 @fuzz("plain")
-@given(cases(dtype=st.sampled_from(PLAIN), layout=layouts, mask=maybe_block_masks,
-             shape=shapes(**GPU_SHAPES), mods=plain_mods))
+@given(variant_cases(dtype=st.sampled_from(PLAIN), layout=layouts, mask=maybe_block_masks,
+                     shape=shapes(**GPU_SHAPES), mods=plain_mods))
 def test_plain_fp32_fp64(case):
     _run("plain", check_case, case)
