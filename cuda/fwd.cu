@@ -23,13 +23,16 @@
 // own choice; 1 would let it take up to 255 registers (the d=64 causal kernel then took 225,
 // two blocks per SM instead of three, 11-15% slower at seqlen 1K-16K in fp16).
 // The score modifiers, user mods and dropout do not fit in 168 (NVRTC 13.5 spilled 8-36
-// bytes): they leave ptxas its choice.
+// bytes): the score modifiers leave ptxas its choice; dropout and user mods ask for 1, all 255
+// registers, since ptxas's own choice capped some of their 64 x 64 kernels at 128 or 168
+// registers and spilled (NVRTC 13.5, d=96 with dropout, d=128 with a T5 bias on sm_80).
 template <int HeadDim, int Stages, typename V>
 __host__ __device__ constexpr int fwd_min_blocks() {
+    constexpr bool own = !V::Dropout && !V::UserScore && !V::UserMask;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return HeadDim <= 64 && Stages == 2 && !V::Softcap && !V::Alibi && !V::Dropout && !V::UserScore && !V::UserMask ? 3 : 0;
+    return !own ? 1 : HeadDim <= 64 && Stages == 2 && !V::Softcap && !V::Alibi ? 3 : 0;
 #else
-    return 0;
+    return own ? 0 : 1;
 #endif
 }
 
