@@ -79,9 +79,6 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// Makes ordinary shared-memory stores visible to wgmma and the copy engine (the async proxy).
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 // d[32] (+)= A (64 x 16, K-major descriptor) B^T (B: 64 x 16, K-major descriptor), bf16 or fp16
 // operands, fp32 accumulators laid out as mma.sync's over eight n8 tiles: warp w of the
 // warpgroup holds rows 16w + g and 16w + g + 8, register 4j + (0, 1) row 16w + g, columns 8j +

@@ -14,7 +14,7 @@ import numpy as np
 
 # CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion (cuda.h).
 _DATA_TYPES = {"float16": 6, "float32": 7, "bfloat16": 9}
-SWIZZLE_NONE, SWIZZLE_128B = 0, 3
+SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 DESC_BYTES = 128
 # One copy's box: at most 256 elements per dimension; with the 128-byte swizzle, rows of at
