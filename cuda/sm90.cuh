@@ -61,13 +61,12 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TmaDesc& map, int c
 
 // The descriptor of a 128-byte-swizzled tile at `tile` (1024-byte aligned) plus `offset` bytes
 // (K-major: a k16 step of 16-bit data is 32 bytes inside the rows; MN-major: 16 rows, 2048
-// bytes). `lead` and `stride` are byte offsets between swizzle atoms (multiples of 16).
-__device__ __forceinline__ unsigned long long sw128_desc(const void* tile, unsigned offset, unsigned lead = 16,
-                                                         unsigned stride = 1024) {
+// bytes). 1024 bytes from one 8-row group to the next; the leading offset is unused by
+// operands one swizzle atom wide (every n64 / k16 operand here), so it is the minimum, 16.
+__device__ __forceinline__ unsigned long long sw128_desc(const void* tile, unsigned offset) {
     const unsigned long long start = (smem_addr(tile) + offset) >> 4;
-    constexpr unsigned long long swizzle128 = 1;
-    return (start & 0x3FFF) | static_cast<unsigned long long>(lead >> 4) << 16 |
-           static_cast<unsigned long long>(stride >> 4) << 32 | swizzle128 << 62;
+    constexpr unsigned long long lead = 16 >> 4, stride = 1024 >> 4, swizzle128 = 1;
+    return (start & 0x3FFF) | lead << 16 | stride << 32 | swizzle128 << 62;
 }
 
 // Orders this thread's register and shared-memory accesses before the next wgmma reads them.

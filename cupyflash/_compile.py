@@ -139,19 +139,29 @@ def _cache_dir():
                                 or os.path.expanduser("~/.cupy/kernel_cache")))
 
 
-def _nvrtc_cubin(code, name, arch):
-    """(lowered name, cubin) of instantiation ``name`` of ``code`` for ``arch``."""
+def nvrtc_run(code, filename, names, arch, options=()):
+    """Compile the instantiations ``names`` of ``code`` for ``arch`` with NVRTC alone (no GPU
+    needed). Returns (the program log, {name: lowered name}, the cubin); raises RuntimeError
+    with the log if compiling fails."""
     from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(code, name.split("<")[0] + ".cu", [], [])
+    prog = nvrtc.createProgram(code, filename, [], [])
     try:
-        nvrtc.addNameExpression(prog, name)
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}", *options])
         except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"{name} failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
-        return nvrtc.getLoweredName(prog, name), nvrtc.getCUBIN(prog)
+            raise RuntimeError(f"{filename} failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
+        return (nvrtc.getProgramLog(prog), {n: nvrtc.getLoweredName(prog, n) for n in names},
+                nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _nvrtc_cubin(code, name, arch):
+    """(lowered name, cubin) of instantiation ``name`` of ``code`` for ``arch``."""
+    _, lowered, cubin = nvrtc_run(code, name.split("<")[0] + ".cu", (name,), arch)
+    return lowered[name], cubin
 
 
 def _cached_cubin(code, name, arch):
@@ -214,21 +224,9 @@ def nvrtc_compile(filename, names, arch, user_mods=""):
     Returns ``{name: (registers, spill_store_bytes, spill_load_bytes, stack_bytes)}``
     parsed from ptxas's verbose log. Raises RuntimeError with the log if compiling fails.
     """
-    from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(source(filename, user_mods), filename, [], [])
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        options = list(NVRTC_OPTIONS) + [f"-arch={arch}", "--ptxas-options=-v"]
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"{filename} failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
-        log = nvrtc.getProgramLog(prog)
-        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
-    finally:
-        nvrtc.destroyProgram(prog)
-    return _parse_ptxas(log, lowered)
+    log, lowered, _ = nvrtc_run(source(filename, user_mods), filename, names, arch,
+                                ("--ptxas-options=-v",))
+    return _parse_ptxas(log, {v: k for k, v in lowered.items()})
 
 
 def _parse_ptxas(log, lowered):

@@ -328,10 +328,11 @@ def check_supported(spec, block_mask):
 
 # cuda/fwd_sm90.cu's parameters: the tensor maps of q, k and v (64-byte aligned), then FwdParams;
 # the size rounded up to 64 bytes as the C struct's.
+_MAP = _tma.TMA_DESC.itemsize
 FWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "base"],
                             "formats": [_tma.TMA_DESC] * 3 + [FWD_PARAMS],
-                            "offsets": [0, 128, 256, 384],
-                            "itemsize": _config.cdiv(384 + FWD_PARAMS.itemsize, 64) * 64})
+                            "offsets": [0, _MAP, 2 * _MAP, 3 * _MAP],
+                            "itemsize": _config.cdiv(3 * _MAP + FWD_PARAMS.itemsize, 64) * 64})
 SM90_FWD_ROWS, SM90_FWD_KEYS, SM90_FWD_THREADS = 128, 64, 256
 
 

@@ -162,17 +162,8 @@ SOURCE = (_compile.CUDA_DIR / "philox.cuh").read_text() + KERNELS
 
 
 def test_philox_header_compiles_for_sm80_without_local_memory():
-    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    prog = nvrtc.createProgram(SOURCE, "philox_test.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, [*_compile.NVRTC_OPTIONS, "-arch=sm_80",
-                                        "--ptxas-options=-v"])
-        except nvrtc.NVRTCError as e:
-            raise AssertionError(nvrtc.getProgramLog(prog)) from e
-        log = nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    log, _, _ = _compile.nvrtc_run(SOURCE, "philox_test.cu", (), "sm_80", ("--ptxas-options=-v",))
     names = ("philox_words", "keep_mask")
     stats = _compile._parse_ptxas(log, {n: n for n in names})
     assert set(stats) == set(names), log

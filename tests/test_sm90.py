@@ -107,19 +107,10 @@ def probe_source():
 
 def compile_probe(arch):
     """(cubin, {name: lowered name}, ptxas log) of the probe's instantiations for ``arch``."""
-    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    prog = nvrtc.createProgram(probe_source(), "sm90_probe.cu", [], [])
-    try:
-        for n in NAMES.values():
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, [*_compile.NVRTC_OPTIONS, f"-arch={arch}", "--ptxas-options=-v"])
-        except nvrtc.NVRTCError as e:
-            raise AssertionError(nvrtc.getProgramLog(prog)) from e
-        lowered = {n: nvrtc.getLoweredName(prog, n) for n in NAMES.values()}
-        return nvrtc.getCUBIN(prog), lowered, nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    log, lowered, cubin = _compile.nvrtc_run(probe_source(), "sm90_probe.cu", NAMES.values(),
+                                             arch, ("--ptxas-options=-v",))
+    return cubin, lowered, log
 
 
 def test_probe_compiles_for_sm90a_without_local_memory():
