@@ -11,11 +11,23 @@
 #include "softmax.cuh"
 #include "user.cuh"
 
+// Waits for the Threads threads that run the epilogue, the first of the block's BlockThreads:
+// __syncthreads where they are the whole block, else named barrier 1 (the block's other warps
+// issue copies and do not take part).
+template <int Threads, int BlockThreads>
+__device__ __forceinline__ void epilogue_sync() {
+    if constexpr (Threads == BlockThreads)
+        __syncthreads();
+    else
+        asm volatile("bar.sync 1, %0;" ::"n"(Threads) : "memory");
+}
+
 // Waits until the stage is free: every asynchronous copy has landed (with no key block, the
 // first tile may still be landing) and every warp is done reading.
+template <int Threads = 0, int BlockThreads = 0>
 __device__ __forceinline__ void epilogue_begin() {
     cp_async_wait<0>();
-    __syncthreads();
+    epilogue_sync<Threads, BlockThreads>();
 }
 
 // acc[M][N][4]: m16 x n8 fragments whose first row is row0 and first column col0, element
@@ -47,7 +59,8 @@ __device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const
 
 // The forward: O = acc / l (times out_scale: dropout's 1 / (1 - p)) of the warp's rows from
 // wrow, lse of every valid row, for the query block at row0 of head h. `stage` is the Q tile.
-template <typename Elem, int Br, int HeadDim, int Threads, int MT, int DT>
+// Threads of the block's BlockThreads run it.
+template <typename Elem, int Br, int HeadDim, int Threads, int BlockThreads = Threads, int MT, int DT>
 __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
                                              int rows_valid, int wrow, int lane, bool vec_ok, OnlineSoftmax<2 * MT>& softmax,
                                              float mult, float out_scale, const float (&acc)[MT][DT][4],
@@ -56,7 +69,7 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<F
     softmax.finalize(mult, inv_l, lse);
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) inv_l[r] *= out_scale;
-    epilogue_begin();
+    epilogue_begin<Threads, BlockThreads>();
     // Each row's lse goes out right after its O: ptxas scheduled a separate loop of lse stores
     // 5% slower at d=128 (benchmarks/NOTES.md).
     stage_rows<Elem, HeadDim + SMEM_PAD>(
@@ -65,7 +78,7 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<F
             if (row0 + r < seq.seqlen_q() && lane % 4 == 0)
                 static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * m + hf];
         });
-    __syncthreads();
+    epilogue_sync<Threads, BlockThreads>();
     store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.o, h, row0), p.o.row_stride, rows_valid,
                                      p.headdim, vec_ok);
 }

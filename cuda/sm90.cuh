@@ -34,6 +34,11 @@ __device__ __forceinline__ void mbar_expect_bytes(unsigned long long* bar, unsig
                  : "memory");
 }
 
+// One plain arrival (a consumer releasing a buffer).
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Waits until the phase with parity `phase` has completed.
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned phase) {
     asm volatile(
@@ -43,6 +48,26 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned phas
         "@!done bra wait_%=;\n\t}" ::"r"(smem_addr(bar)),
         "r"(phase)
         : "memory");
+}
+
+// ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all, some of which only
+// arrive. Two warpgroups take turns with them.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- Register reallocation between the warpgroups of a block (every thread of the warpgroup
+// executes it): a copy-issuing warpgroup gives registers back, the multiplying ones take them.
+template <int Regs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs));
+}
+template <int Regs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Regs));
 }
 
 // ---- TMA: a box of the tensor map's tensor at element coordinates (innermost first) to
@@ -78,68 +103,96 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// d[32] (+)= A (64 x 16, K-major descriptor) B^T (B: 64 x 16, K-major descriptor), bf16 or fp16
-// operands, fp32 accumulators laid out as mma.sync's over eight n8 tiles: warp w of the
-// warpgroup holds rows 16w + g and 16w + g + 8, register 4j + (0, 1) row 16w + g, columns 8j +
-// 2t + (0, 1), register 4j + (2, 3) the same columns of row 16w + g + 8.
-template <typename Elem>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                bool accumulate);
+// The accumulator registers of m64nNk16 (N / 2 floats per thread), as asm operand lists.
+#define CUPYFLASH_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUPYFLASH_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define CUPYFLASH_WGMMA_OUT32 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
+    "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
+    "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define CUPYFLASH_WGMMA_OUT64 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
+    "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
+    "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+    "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
+    "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
+    "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
+    "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-#define CUPYFLASH_WGMMA_M64N64K16(TYPE)                                                                          \
-    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %34, 0;\n\t"                                      \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                               \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "            \
-                 "%32, %33, acc, 1, 1, 0, 0;\n\t}"                                                               \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),          \
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),      \
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),   \
-                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),   \
-                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                           \
-                 : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+// After wgmma_wait: the accumulators count as written here, so that the compiler neither
+// reads them earlier nor holds them across the asynchronous multiply.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 
-template <>
-__device__ __forceinline__ void wgmma_m64n64k16<bf16>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                      bool accumulate) {
-    CUPYFLASH_WGMMA_M64N64K16("bf16");
-}
-template <>
-__device__ __forceinline__ void wgmma_m64n64k16<fp16>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                      bool accumulate) {
-    CUPYFLASH_WGMMA_M64N64K16("f16");
-}
-#undef CUPYFLASH_WGMMA_M64N64K16
+// d[N / 2] (+)= A (64 x 16, K-major descriptor) B^T (B: N x 16, K-major descriptor), N = 64 or
+// 128 by the size of d, bf16 or fp16 operands, fp32 accumulators laid out as mma.sync's over
+// N / 8 n8 tiles: warp w of the warpgroup holds rows 16w + g and 16w + g + 8, register 4j +
+// (0, 1) row 16w + g, columns 8j + 2t + (0, 1), register 4j + (2, 3) the same columns of row
+// 16w + g + 8.
+template <typename Elem, int D>
+__device__ __forceinline__ void wgmma_ss(float (&d)[D], unsigned long long a, unsigned long long b,
+                                         bool accumulate);
 
 // d[32] (+)= A B with A (64 x 16) in registers, in mma.sync's A-fragment layout per warp (warp w
 // holds rows 16w..16w+15: a[0] row g, columns 2t, 2t+1; a[1] row g + 8; a[2] and a[3] the same
 // rows, columns + 8; 16-bit pairs), and B (16 x 64) MN-major in shared memory (row k holds the
 // 64 N-elements of K index k: the layout the copy engine gives V), `b` its descriptor.
 template <typename Elem>
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b,
-                                                   bool accumulate);
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b, bool accumulate);
 
-#define CUPYFLASH_WGMMA_M64N64K16_RS(TYPE)                                                                       \
+#define CUPYFLASH_WGMMA_SS(N, TYPE, D, OUT, A, B, ACC)                                                          \
+    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %" ACC ", 0;\n\t"                                  \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D ", %" A ", %" B         \
+                 ", acc, 1, 1, 0, 0;\n\t}"                                                                     \
+                 : OUT                                                                                           \
+                 : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+#define CUPYFLASH_WGMMA_RS(TYPE)                                                                                 \
     asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %37, 0;\n\t"                                      \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                               \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "            \
-                 "{%32, %33, %34, %35}, %36, acc, 1, 1, 1;\n\t}"                                                \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),          \
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),      \
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),   \
-                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),   \
-                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                           \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUPYFLASH_WGMMA_D32            \
+                 ", {%32, %33, %34, %35}, %36, acc, 1, 1, 1;\n\t}"                                               \
+                 : CUPYFLASH_WGMMA_OUT32                                                                         \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
 
 template <>
-__device__ __forceinline__ void wgmma_m64n64k16_rs<bf16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
-                                                         bool accumulate) {
-    CUPYFLASH_WGMMA_M64N64K16_RS("bf16");
+__device__ __forceinline__ void wgmma_ss<bf16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                   bool accumulate) {
+    CUPYFLASH_WGMMA_SS(64, "bf16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
 }
 template <>
-__device__ __forceinline__ void wgmma_m64n64k16_rs<fp16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
-                                                         bool accumulate) {
-    CUPYFLASH_WGMMA_M64N64K16_RS("f16");
+__device__ __forceinline__ void wgmma_ss<fp16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                   bool accumulate) {
+    CUPYFLASH_WGMMA_SS(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
 }
-#undef CUPYFLASH_WGMMA_M64N64K16_RS
+template <>
+__device__ __forceinline__ void wgmma_ss<bf16, 64>(float (&d)[64], unsigned long long a, unsigned long long b,
+                                                   bool accumulate) {
+    CUPYFLASH_WGMMA_SS(128, "bf16", CUPYFLASH_WGMMA_D64, CUPYFLASH_WGMMA_OUT64, "64", "65", "66");
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<fp16, 64>(float (&d)[64], unsigned long long a, unsigned long long b,
+                                                   bool accumulate) {
+    CUPYFLASH_WGMMA_SS(128, "f16", CUPYFLASH_WGMMA_D64, CUPYFLASH_WGMMA_OUT64, "64", "65", "66");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<bf16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
+                                               bool accumulate) {
+    CUPYFLASH_WGMMA_RS("bf16");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<fp16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
+                                               bool accumulate) {
+    CUPYFLASH_WGMMA_RS("f16");
+}
+#undef CUPYFLASH_WGMMA_SS
+#undef CUPYFLASH_WGMMA_RS
+#undef CUPYFLASH_WGMMA_D32
+#undef CUPYFLASH_WGMMA_D64
+#undef CUPYFLASH_WGMMA_OUT32
+#undef CUPYFLASH_WGMMA_OUT64

@@ -27,8 +27,38 @@ struct OnlineSoftmax {
     template <int MT, int NT, int DT>
     __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
                                            float mult) {
-        static_assert(2 * MT == Rows, "two accumulator rows per m16 tile");
         float alpha[Rows], base[Rows];
+        if (new_max(s, mult, alpha, base)) rescale(acc, alpha);
+        exponentiate(s, mult, base);
+    }
+
+    // update in two steps, for a kernel whose acc is still being written by a matrix multiply
+    // while the scores of the next block are exponentiated: step turns s into p and returns
+    // whether acc needs rescale(acc, alpha) before it is accumulated into again.
+    template <int MT, int NT>
+    __device__ __forceinline__ bool step(float (&s)[MT][NT][4], float mult, float (&alpha)[Rows]) {
+        float base[Rows];
+        const bool moved = new_max(s, mult, alpha, base);
+        exponentiate(s, mult, base);
+        return moved;
+    }
+
+    template <int MT, int DT>
+    __device__ __forceinline__ void rescale(float (&acc)[MT][DT][4], const float (&alpha)[Rows]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[2 * mt + e / 2];
+    }
+
+    // The rows' new maxima over s; alpha the factor of the old sums (applied to l here) and
+    // base the new max in log2 units. True where some row of the warp moved its max.
+    template <int MT, int NT>
+    __device__ __forceinline__ bool new_max(const float (&s)[MT][NT][4], float mult, float (&alpha)[Rows],
+                                            float (&base)[Rows]) {
+        static_assert(2 * MT == Rows, "two accumulator rows per m16 tile");
         bool moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -51,14 +81,12 @@ struct OnlineSoftmax {
                 l[r] *= alpha[r];
             }
         }
-        if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[2 * mt + e / 2];
-        }
+        return __any_sync(0xffffffffu, moved);
+    }
+
+    // p = exp2(s * mult - base), added to this thread's part of l.
+    template <int MT, int NT>
+    __device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], float mult, const float (&base)[Rows]) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -333,7 +333,7 @@ FWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "base"],
                             "formats": [_tma.TMA_DESC] * 3 + [FWD_PARAMS],
                             "offsets": [0, _MAP, 2 * _MAP, 3 * _MAP],
                             "itemsize": _config.cdiv(3 * _MAP + FWD_PARAMS.itemsize, 64) * 64})
-SM90_FWD_ROWS, SM90_FWD_KEYS, SM90_FWD_THREADS = 128, 64, 256
+SM90_FWD_ROWS, SM90_FWD_THREADS = 128, 384
 
 
 def sm90_headdim(bucket):
@@ -342,10 +342,15 @@ def sm90_headdim(bucket):
     return _config.cdiv(bucket, 64) * 64
 
 
+def sm90_fwd_keys(hd):
+    """Keys per block of the Hopper forward (cuda/fwd_sm90.cu sm90_fwd_keys)."""
+    return 128 if hd <= 128 else 64
+
+
 def sm90_fwd_smem(hd):
-    """Q (128 rows) and two buffers of K and of V (64 rows each), in 64 x 64 sub-tiles of
-    16-bit elements, and 1 KB to align them to 1024 bytes."""
-    return (2 + 2 * 2) * (hd // 64) * 64 * 64 * 2 + 1024
+    """Q (128 rows) and two buffers of K and of V (sm90_fwd_keys rows each), 16-bit elements,
+    and 1 KB to align them to 1024 bytes."""
+    return (SM90_FWD_ROWS + 2 * 2 * sm90_fwd_keys(hd)) * hd * 2 + 1024
 
 
 def kernel_family(spec, block_mask, *arrays):
@@ -353,14 +358,16 @@ def kernel_family(spec, block_mask, *arrays):
     "generic" (the mma.sync and plain kernels, on every GPU). CUPYFLASH_KERNELS=generic forces
     the generic kernels (to compare the two on one GPU). The Hopper forward covers, so far:
     fp16/bf16 with 16-byte aligned rows (the copy engine's rule), every head-dim bucket, every
-    band, softcap, ALiBi and user mods, and block masks whose query blocks are 128 rows (its
-    tile); the rest (dropout: slower there so far) runs the generic kernels."""
+    band, softcap, ALiBi and user mods, and block masks whose blocks its tiles divide
+    (SM90_FWD_ROWS x sm90_fwd_keys); the rest (dropout: slower there so far) runs the generic
+    kernels."""
     import cupy
     if os.environ.get("CUPYFLASH_KERNELS", "auto") == "generic":
         return "generic"
     if (cupy.cuda.Device().compute_capability == "90" and spec.dtype in TENSOR_CORE
             and not spec.dropout
-            and (block_mask is None or block_mask.block_q == SM90_FWD_ROWS)
+            and (block_mask is None or (block_mask.block_q % SM90_FWD_ROWS == 0 and block_mask.block_k
+                                        % sm90_fwd_keys(sm90_headdim(spec.headdim)) == 0))
             and _vec_ok(*arrays)):
         return "sm90"
     return "generic"
@@ -369,15 +376,17 @@ def kernel_family(spec, block_mask, *arrays):
 def _forward_sm90(p, q, k, v, spec, block_mask):
     b, sq, h, d = q.shape
     hd = sm90_headdim(spec.headdim)
+    keys = sm90_fwd_keys(hd)
     if block_mask is not None:
-        _fill_lists(p, block_mask, SM90_FWD_ROWS, SM90_FWD_KEYS, spec.causal, kv=True, q=False)
-    _check_lists(p, "kv_blocks", SM90_FWD_ROWS, SM90_FWD_KEYS)
+        _fill_lists(p, block_mask, SM90_FWD_ROWS, keys, spec.causal, kv=True, q=False)
+    _check_lists(p, "kv_blocks", SM90_FWD_ROWS, keys)
     tp = np.zeros((), FWD_SM90_PARAMS)
     grid = _tile_grid(p, _config.cdiv(sq, SM90_FWD_ROWS), h, b, spec.causal)
     tp["base"] = p
     for name, x in (("q", q), ("k", k), ("v", v)):
         tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
-                              (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
+                              (x.strides[2], x.strides[1], x.strides[0]),
+                              (64, 1, 64 if name == "q" else keys, 1))
     name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant())
     _launch("fwd_sm90.cu", name, grid, SM90_FWD_THREADS, sm90_fwd_smem(hd), tp[()],
             spec.user_mods)

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(128) sm90_probe(const __grid_constant__ TmaDes
     for (int half = 0; half < 2; ++half)
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-            wgmma_m64n64k16<Elem>(d, sw128_desc(sq + half * TILE, kk * 32), sw128_desc(sk + half * TILE, kk * 32),
+            wgmma_ss<Elem>(d, sw128_desc(sq + half * TILE, kk * 32), sw128_desc(sk + half * TILE, kk * 32),
                                   half + kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(128) sm90_probe(const __grid_constant__ TmaDes
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)   // 16 keys are 16 rows of V: 2048 bytes
-            wgmma_m64n64k16_rs<Elem>(acc, a[kk], sw128_desc(sv + half * TILE, kk * 2048), kk > 0);
+            wgmma_rs<Elem>(acc, a[kk], sw128_desc(sv + half * TILE, kk * 2048), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
