@@ -29,6 +29,16 @@ __device__ __forceinline__ BlockCoord block_coord(const Params& p, int heads, Lo
     return {longest_first(static_cast<int>(blockIdx.y)), hb % heads, hb / heads};
 }
 
+// A persistent kernel walks the same grid itself: block (x, y, z) of it. (block_coord reads
+// blockIdx where it uses it; passing it in here changed the generic kernels' code.)
+template <bool Causal, typename Params, typename LongestFirst>
+__device__ __forceinline__ BlockCoord block_coord_at(const Params& p, int heads, LongestFirst longest_first, int x,
+                                                     int y, int z) {
+    if (!Causal || p.launch_group == 0) return {Causal ? longest_first(x) : x, y, z};
+    const int hb = z * p.launch_group + x;
+    return {longest_first(y), hb % heads, hb / heads};
+}
+
 struct KeyBlocks {
     const int* idx;     // the sparse list, or null
     int first;          // dense: the first key block

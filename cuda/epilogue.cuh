@@ -11,23 +11,11 @@
 #include "softmax.cuh"
 #include "user.cuh"
 
-// Waits for the Threads threads that run the epilogue, the first of the block's BlockThreads:
-// __syncthreads where they are the whole block, else named barrier 1 (the block's other warps
-// issue copies and do not take part).
-template <int Threads, int BlockThreads>
-__device__ __forceinline__ void epilogue_sync() {
-    if constexpr (Threads == BlockThreads)
-        __syncthreads();
-    else
-        asm volatile("bar.sync 1, %0;" ::"n"(Threads) : "memory");
-}
-
 // Waits until the stage is free: every asynchronous copy has landed (with no key block, the
 // first tile may still be landing) and every warp is done reading.
-template <int Threads = 0, int BlockThreads = 0>
 __device__ __forceinline__ void epilogue_begin() {
     cp_async_wait<0>();
-    epilogue_sync<Threads, BlockThreads>();
+    __syncthreads();
 }
 
 // acc[M][N][4]: m16 x n8 fragments whose first row is row0 and first column col0, element
@@ -59,8 +47,7 @@ __device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const
 
 // The forward: O = acc / l (times out_scale: dropout's 1 / (1 - p)) of the warp's rows from
 // wrow, lse of every valid row, for the query block at row0 of head h. `stage` is the Q tile.
-// Threads of the block's BlockThreads run it.
-template <typename Elem, int Br, int HeadDim, int Threads, int BlockThreads = Threads, int MT, int DT>
+template <typename Elem, int Br, int HeadDim, int Threads, int MT, int DT>
 __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
                                              int rows_valid, int wrow, int lane, bool vec_ok, OnlineSoftmax<2 * MT>& softmax,
                                              float mult, float out_scale, const float (&acc)[MT][DT][4],
@@ -69,7 +56,7 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<F
     softmax.finalize(mult, inv_l, lse);
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) inv_l[r] *= out_scale;
-    epilogue_begin<Threads, BlockThreads>();
+    epilogue_begin();
     // Each row's lse goes out right after its O: ptxas scheduled a separate loop of lse stores
     // 5% slower at d=128 (benchmarks/NOTES.md).
     stage_rows<Elem, HeadDim + SMEM_PAD>(
@@ -78,9 +65,35 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<F
             if (row0 + r < seq.seqlen_q() && lane % 4 == 0)
                 static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * m + hf];
         });
-    epilogue_sync<Threads, BlockThreads>();
+    __syncthreads();
     store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.o, h, row0), p.o.row_stride, rows_valid,
                                      p.headdim, vec_ok);
+}
+
+// The forward for a kernel that stores O with the copy engine (the Hopper forward): O = acc /
+// l of the warp's 16 rows from wrow into `stage`, 64-column sub-tiles of Rows rows in the
+// 128-byte-swizzled layout a tensor map with that swizzle stores from (16-byte chunk j of row r
+// at chunk j ^ (r % 8): a warp's stores hit every bank once); lse of the valid rows straight to
+// memory. row0 is the stage's first row in the sequence.
+template <typename Elem, int Rows, int MT, int DT>
+__device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
+                                                   int wrow, int lane, OnlineSoftmax<2 * MT>& softmax, float mult,
+                                                   const float (&acc)[MT][DT][4], u16* stage) {
+    float inv_l[2 * MT], lse[2 * MT];
+    softmax.finalize(mult, inv_l, lse);
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = wrow + 16 * m + g + 8 * hf;
+            const float f = inv_l[2 * m + hf];
+#pragma unroll
+            for (int n = 0; n < DT; ++n)
+                *reinterpret_cast<u32*>(stage + (n / 8 * Rows + r) * 64 + ((n % 8) ^ (r % 8)) * 8 + 2 * t) =
+                    pack2<Elem>(acc[m][n][2 * hf] * f, acc[m][n][2 * hf + 1] * f);
+            if (t == 0 && row0 + r < seq.seqlen_q()) static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * m + hf];
+        }
 }
 
 // The dK/dV pass: dK = scale * dk and dV = dv of the warp's keys from key0 and head-dim

@@ -5,15 +5,22 @@
 // fwd.cu: the key-block range, the score modifier, the mask, the online softmax and the
 // epilogue; wgmma's accumulators have mma.sync's per-warp layout, so they apply unchanged.
 //
-// One thread block per (query block of 128 rows, head, batch), three warpgroups:
+// Tiles are (query block of 128 rows, head, batch) of the grid of block_coord's order. At
+// HeadDim <= 128 the kernel is persistent: one thread block per SM takes tiles from a counter in
+// memory (blocks that draw short causal tiles take more of them); above, one block per tile.
+// Three warpgroups:
 // - the producer (the last warpgroup, its registers given back to the others): one thread
-//   issues the copies of Q once and of K and V block by block into Stages buffers, each
-//   buffer reused once both consumers have released it (the `empty` mbarriers);
+//   issues the copies of each tile's Q and of its K and V blocks into Stages buffers, each
+//   buffer reused once both consumers have released it (the `empty` mbarriers), so the next
+//   tile's copies run while the consumers finish this one;
 // - two consumers of 64 rows each. A consumer issues S = Q K^T of block j, then O += P V of
 //   block j - 1, and runs the softmax of block j while the second product is still running:
 //   the exponentials of one block overlap the tensor cores' work on the other (rescaling O
 //   waits for that product). The two consumers take turns issuing their products (named
 //   barriers), so that one's softmax runs while the other's products do, not both at once.
+//   O leaves through shared memory and a bulk tensor store: a stage of its own where shared
+//   memory allows (HeadDim <= 128, where the next tile's copies are landing), else the
+//   warpgroup's Q tile.
 // HeadDim is the head dim rounded up to a multiple of 64: the copy engine fills the columns
 // past the real one with zeros, and the epilogue stores only the real ones.
 #include "common.cuh"
@@ -25,11 +32,14 @@
 #include "block_iter.cuh"
 #include "epilogue.cuh"
 
-// FwdParams and the tensor maps of q, k and v (dimensions innermost first: head dim, heads,
-// rows, batch; boxes of 64 columns x 64 rows for q, x Bc rows for k and v).
+// FwdParams, the tensor maps of q, k, v and o (dimensions innermost first: head dim, heads,
+// rows, batch; boxes of 64 columns x 64 rows for q and o, x Bc rows for k and v), the grid of
+// tiles and the counter of tiles handed out (zero at launch).
 struct FwdSm90Params {
-    TmaDesc q, k, v;
+    TmaDesc q, k, v, o;
     FwdParams base;
+    int* counter;
+    int grid[3];
 };
 
 // Keys per block: S = Q K^T as one m64n128 product per k16 step where its 64 accumulators and
@@ -41,41 +51,48 @@ template <typename Elem, int HeadDim, typename V>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr int Br = 128, Bc = sm90_fwd_keys<HeadDim>(), Stages = 2;
-    constexpr int Consumers = 256, Threads = Consumers + 128;
+    constexpr int Consumers = 256;
     constexpr int Halves = HeadDim / 64;   // 64-column sub-tiles of a row block (one swizzle atom wide)
     constexpr int SubQ = 64 * 64, SubKV = Bc * 64;
     constexpr int NT = Bc / 8, DT = HeadDim / 8;
+    constexpr bool OwnStage = HeadDim <= 128;   // O's stage beside Q, K and V (else in Q)
+    // Persistent where the producer's 40 registers leave the consumers enough: at HeadDim > 128
+    // (O alone takes 128 of a consumer's registers) each block takes one tile and the producer,
+    // with no counter to draw from, fits in 24.
+    constexpr bool Persistent = HeadDim <= 128;
+    constexpr int ProducerRegs = Persistent ? 40 : 24, ConsumerRegs = Persistent ? 232 : 240;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
     // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
     // registers of a second block per SM, and the kernel was slower than the generic one.
     static_assert(!V::Dropout, "no dropout in this kernel");
-    static_assert(Br * (HeadDim + SMEM_PAD) <= 2 * Stages * Halves * SubKV, "the epilogue stages O in the K and V buffers");
     const FwdParams& p = tp.base;
 
-    // Q (two warpgroups x Halves sub-tiles), then Stages buffers of K and of V; 1024-byte aligned.
+    // Q (two warpgroups x Halves sub-tiles), Stages buffers of K and of V, O's stage (as Q);
+    // 1024-byte aligned.
     extern __shared__ unsigned char smem_raw[];
-    __shared__ unsigned long long q_full, k_full[Stages], v_full[Stages], k_empty[Stages], v_empty[Stages];
+    __shared__ unsigned long long q_full, q_empty, k_full[Stages], v_full[Stages], k_empty[Stages], v_empty[Stages];
+    __shared__ int tile_slot;   // the tile whose Q the producer loads: written before q_full's arrival
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
     u16* sK = sQ + 2 * Halves * SubQ;
     u16* sV = sK + Stages * Halves * SubKV;
+    u16* sO = OwnStage ? sV + Stages * Halves * SubKV : sQ;
 
-    // Causal: the last query blocks see the most keys.
+    // Tile w of the grid; causal: the last query blocks see the most keys.
+    const int gx = tp.grid[0], gxy = gx * tp.grid[1], n_work = gxy * tp.grid[2];
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;
-    const BlockCoord at = block_coord<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
-    if (at.batch >= p.batch) return;
-    const SeqInfo<FwdParams> seq(p, at.batch);
+    auto tile = [&](int w) {
+        return block_coord_at<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; }, w % gx, w % gxy / gx,
+                                      w / gxy);
+    };
     Mask<V, FwdParams> mask(p);
-    const int h = at.head, hk = h / p.group;
-    mask.at_head(at.batch, h);
-    const int row0 = at.tile * Br;
-    const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
 
     if (threadIdx.x == 0) {
         mbar_init(&q_full, 1);
+        // Released by each consumer warp once its products have read the buffer.
+        mbar_init(&q_empty, Consumers / 32);
         for (int s = 0; s < Stages; ++s) {
             mbar_init(&k_full[s], 1);
             mbar_init(&v_full[s], 1);
-            // Released by each consumer warp once its products have read the buffer.
             mbar_init(&k_empty[s], Consumers / 32);
             mbar_init(&v_empty[s], Consumers / 32);
         }
@@ -83,43 +100,52 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     }
     __syncthreads();
 
+    // Both sides count the tiles (t) and the key blocks (g) they have passed: block g goes
+    // through buffer g % Stages, in that buffer's use g / Stages.
     if (threadIdx.x >= Consumers) {
-        setmaxnreg_dec<40>();
-        if (threadIdx.x == Consumers) {
+        setmaxnreg_dec<ProducerRegs>();
+        if (threadIdx.x != Consumers) return;
+        auto next_tile = [&]() { return Persistent ? static_cast<int>(gridDim.x) + atomicAdd(tp.counter, 1) : n_work; };
+        for (int w = blockIdx.x, t = 0, g = 0;; ++t) {
+            // Past the grid's end (its last group of heads may be short) a block has no work.
+            while (w < n_work && tile(w).batch >= p.batch) w = next_tile();
+            if (t > 0) mbar_wait(&q_empty, (t - 1) & 1);
+            tile_slot = w < n_work ? w : -1;
+            if (w >= n_work) {
+                mbar_arrive(&q_full);   // no copies: the consumers read -1 and stop
+                return;
+            }
+            const BlockCoord at = tile(w);
+            const int h = at.head, hk = h / p.group;
+            mask.at_head(at.batch, h);
+            const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
             mbar_expect_bytes(&q_full, 2 * Halves * SubQ * 2);
-            for (int w = 0; w < 2; ++w)
+            for (int half = 0; half < 2; ++half)
                 for (int c = 0; c < Halves; ++c)
-                    tma_load_4d(sQ + (w * Halves + c) * SubQ, tp.q, 64 * c, h, row0 + 64 * w, at.batch, &q_full);
-            for (int it = 0; it < kb.count; ++it) {
-                const int buf = it % Stages, n0 = kb.block(it) * Bc;
-                const unsigned reuse = (it / Stages - 1) & 1;   // the phase that freed the buffer
-                if (it >= Stages) mbar_wait(&k_empty[buf], reuse);
+                    tma_load_4d(sQ + (half * Halves + c) * SubQ, tp.q, 64 * c, h, at.tile * Br + 64 * half,
+                                at.batch, &q_full);
+            w = next_tile();
+            for (int it = 0; it < kb.count; ++it, ++g) {
+                const int buf = g % Stages, n0 = kb.block(it) * Bc;
+                const unsigned reuse = (g / Stages - 1) & 1;   // the use that freed the buffer
+                if (g >= Stages) mbar_wait(&k_empty[buf], reuse);
                 mbar_expect_bytes(&k_full[buf], Halves * SubKV * 2);
                 for (int c = 0; c < Halves; ++c)
                     tma_load_4d(sK + (buf * Halves + c) * SubKV, tp.k, 64 * c, hk, n0, at.batch, &k_full[buf]);
-                if (it >= Stages) mbar_wait(&v_empty[buf], reuse);
+                if (g >= Stages) mbar_wait(&v_empty[buf], reuse);
                 mbar_expect_bytes(&v_full[buf], Halves * SubKV * 2);
                 for (int c = 0; c < Halves; ++c)
                     tma_load_4d(sV + (buf * Halves + c) * SubKV, tp.v, 64 * c, hk, n0, at.batch, &v_full[buf]);
             }
         }
-        return;
     }
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<ConsumerRegs>();
 
     ScoreMod<V, FwdParams> mod(p);
-    mod.at_head(at.batch, h);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const int wrow = warp * 16;   // warpgroup wg's rows are 64 wg .. 64 wg + 63
     const u16* myQ = sQ + wg * Halves * SubQ;
-
     float acc[1][DT][4];
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[0][dt][e] = 0.f;
-    OnlineSoftmax<2> softmax;
-    softmax.init();
     float s[1][NT][4];
     float(&sflat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(s);
     u32 pa[Bc / 16][4];   // P of the previous block as A fragments
@@ -127,10 +153,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     auto release = [&](unsigned long long* empty) {
         if (lane == 0) mbar_arrive(empty);
     };
-    // S = Q K^T: the warpgroup's 64 rows x Bc keys, k16 steps over the head dim.
-    auto issue_qk = [&](int it) {
-        const int buf = it % Stages;
-        mbar_wait(&k_full[buf], (it / Stages) & 1);
+    // S = Q K^T of key block g: the warpgroup's 64 rows x Bc keys, k16 steps over the head dim.
+    auto issue_qk = [&](int g) {
+        const int buf = g % Stages;
+        mbar_wait(&k_full[buf], (g / Stages) & 1);
         wgmma_fence();
 #pragma unroll
         for (int c = 0; c < Halves; ++c)
@@ -141,9 +167,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         wgmma_commit();
     };
     // O += P V: V's rows are the keys (MN-major B), 16 keys = 2048 bytes of a sub-tile.
-    auto issue_pv = [&](int it) {
-        const int buf = it % Stages;
-        mbar_wait(&v_full[buf], (it / Stages) & 1);
+    auto issue_pv = [&](int g) {
+        const int buf = g % Stages;
+        mbar_wait(&v_full[buf], (g / Stages) & 1);
         // After the wait's loop: a fence the compiler inserted there itself serialized the products.
         wgmma_fence();
 #pragma unroll
@@ -154,13 +180,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                                sw128_desc(sV + (buf * Halves + c) * SubKV, 2048 * kk), true);
         wgmma_commit();
     };
-    // Scores of block `it` (landed in s) to probabilities; true where O needs rescaling.
-    auto softmax_step = [&](int it, float (&alpha)[2]) {
-        const int n0 = kb.block(it) * Bc;
-        mod.apply<false>(s, row0 + wrow, n0, lane);
-        if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
-        return softmax.step(s, mod.mult(), alpha);
-    };
     // P as A fragments: keys 16kk.. are the n8 tiles 2kk and 2kk + 1.
     auto pack_p = [&]() {
 #pragma unroll
@@ -169,49 +188,99 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             for (int r = 0; r < 4; ++r)
                 pa[kk][r] = pack2<Elem>(s[0][2 * kk + r / 2][2 * (r % 2)], s[0][2 * kk + r / 2][2 * (r % 2) + 1]);
     };
-
     // Turns: warpgroup wg issues its products after bar.sync on barrier 2 + wg, then hands the
-    // turn to the other with bar.arrive on that one's barrier; warpgroup 0 goes first. Every
-    // sync pairs with one arrival (warpgroup 1 hands on no turn after its last products).
+    // turn to the other with bar.arrive on that one's barrier; warpgroup 0 goes first in each
+    // tile. Every sync pairs with one arrival (warpgroup 1 hands on no turn after its last
+    // products of a tile).
     auto my_turn = [&]() { named_bar_sync(2 + wg, Consumers); };
     auto hand_on = [&](bool last) {
         if (!(last && wg == 1)) named_bar_arrive(3 - wg, Consumers);
     };
-    mbar_wait(&q_full, 0);
-    if (kb.count > 0) {
-        float alpha[2];
-        if (wg == 1) named_bar_arrive(2, Consumers);
-        my_turn();
-        issue_qk(0);
-        hand_on(false);
-        wgmma_wait<0>();
-        wgmma_fence_operands(sflat);
-        release(&k_empty[0]);
-        softmax_step(0, alpha);   // O is still zero: nothing to rescale
-        pack_p();
-        for (int it = 1; it < kb.count; ++it) {
-            my_turn();
-            issue_qk(it);
-            issue_pv(it - 1);
-            hand_on(false);
-            wgmma_wait<1>();
+
+    const bool store_thread = threadIdx.x % 128 == 0;   // issues its warpgroup's stores of O
+    u16* myO = sO + wg * Halves * SubQ;
+    for (int t = 0, g = 0;; ++t) {
+        mbar_wait(&q_full, t & 1);
+        const int w = *static_cast<volatile int*>(&tile_slot);
+        if (w < 0) break;
+        const BlockCoord at = tile(w);
+        const SeqInfo<FwdParams> seq(p, at.batch);
+        const int h = at.head, row0 = at.tile * Br;
+        mask.at_head(at.batch, h);
+        mod.at_head(at.batch, h);
+        const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[0][dt][e] = 0.f;
+        OnlineSoftmax<2> softmax;
+        softmax.init();
+        // Scores of block `it` (landed in s) to probabilities; true where O needs rescaling.
+        auto softmax_step = [&](int it, float (&alpha)[2]) {
+            const int n0 = kb.block(it) * Bc;
+            mod.apply<false>(s, row0 + wrow, n0, lane);
+            if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
+            return softmax.step(s, mod.mult(), alpha);
+        };
+        // S of block `it` has landed: its K buffer is free, and after the last, Q's (unless
+        // it stages O).
+        auto scores_landed = [&](int it) {
             wgmma_fence_operands(sflat);
-            release(&k_empty[it % Stages]);
-            const bool moved = softmax_step(it, alpha);
+            release(&k_empty[(g + it) % Stages]);
+            if (OwnStage && it == kb.count - 1) release(&q_empty);
+        };
+
+        if (kb.count > 0) {
+            float alpha[2];
+            if (wg == 1) named_bar_arrive(2, Consumers);
+            my_turn();
+            issue_qk(g);
+            hand_on(false);
+            wgmma_wait<0>();
+            scores_landed(0);
+            softmax_step(0, alpha);   // O is still zero: nothing to rescale
+            pack_p();
+            for (int it = 1; it < kb.count; ++it) {
+                my_turn();
+                issue_qk(g + it);
+                issue_pv(g + it - 1);
+                hand_on(false);
+                wgmma_wait<1>();
+                scores_landed(it);
+                const bool moved = softmax_step(it, alpha);
+                wgmma_wait<0>();
+                wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(acc));
+                release(&v_empty[(g + it - 1) % Stages]);
+                if (moved) softmax.rescale(acc, alpha);
+                pack_p();
+            }
+            my_turn();
+            issue_pv(g + kb.count - 1);
+            hand_on(true);
             wgmma_wait<0>();
             wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(acc));
-            release(&v_empty[(it - 1) % Stages]);
-            if (moved) softmax.rescale(acc, alpha);
-            pack_p();
+            release(&v_empty[(g + kb.count - 1) % Stages]);
+        } else if (OwnStage) {
+            release(&q_empty);
         }
-        my_turn();
-        issue_pv(kb.count - 1);
-        hand_on(true);
-        wgmma_wait<0>();
-        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(acc));
-    }
+        g += kb.count;
 
-    // The K and V buffers (no longer read: epilogue_begin waits for every consumer) stage O.
-    fwd_epilogue<Elem, Br, HeadDim, Consumers, Threads>(p, seq, h, row0, seq.seqlen_q() - row0, wrow, lane,
-                                                        p.vec_ok != 0, softmax, mod.mult(), 1.f, acc, sK);
+        // O through the warpgroup's stage (barrier 4 + wg: its 128 threads) to a bulk store.
+        if (OwnStage && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
+        named_bar_sync(4 + wg, 128);
+        fwd_stage_swizzled<Elem, 64>(p, seq, h, row0 + 64 * wg, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
+        fence_proxy_async();
+        named_bar_sync(4 + wg, 128);
+        if (store_thread) {
+#pragma unroll
+            for (int c = 0; c < Halves; ++c) tma_store_4d(tp.o, 64 * c, h, row0 + 64 * wg, at.batch, myO + c * SubQ);
+            bulk_commit();
+            if (!OwnStage) bulk_wait_read<0>();
+        }
+        if (!OwnStage) {
+            named_bar_sync(4 + wg, 128);   // the store has read Q's tile: the next Q may land
+            release(&q_empty);
+        }
+    }
+    if (store_thread) bulk_wait<0>();
 }

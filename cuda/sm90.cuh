@@ -82,6 +82,28 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TmaDesc& map, int c
         : "memory");
 }
 
+// A box of shared memory (in the tensor map's swizzled layout) to the tensor at element
+// coordinates; elements outside the tensor are not written. Completes in bulk groups.
+__device__ __forceinline__ void tma_store_4d(const TmaDesc& map, int c0, int c1, int c2, int c3, const void* src) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+                 ::"l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                 "r"(smem_addr(src))
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's bulk groups are still reading shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// Waits until at most N of this thread's bulk groups are incomplete.
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+// Makes this thread's shared-memory writes visible to the copy engine (a store reading them).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // ---- wgmma: one warpgroup (four consecutive warps, the first a multiple of 4) multiplies.
 
 // The descriptor of a 128-byte-swizzled tile at `tile` (1024-byte aligned) plus `offset` bytes

@@ -222,10 +222,16 @@ def nvrtc_compile(filename, names, arch, user_mods=""):
     with a call's user mods (``mods.prelude``) spliced in.
 
     Returns ``{name: (registers, spill_store_bytes, spill_load_bytes, stack_bytes)}``
-    parsed from ptxas's verbose log. Raises RuntimeError with the log if compiling fails.
+    parsed from ptxas's verbose log. Raises RuntimeError with the log if compiling fails, and
+    where ptxas serialized a kernel's wgmma instructions.
     """
     log, lowered, _ = nvrtc_run(source(filename, user_mods), filename, names, arch,
                                 ("--ptxas-options=-v",))
+    # ptxas still compiles a kernel whose wgmma it could not keep asynchronous (a register of
+    # an operand touched on a path it cannot prove uniform), and only says so in its log.
+    serialized = [line for line in log.splitlines() if "wgmma.mma_async instructions are serialized" in line]
+    if serialized:
+        raise RuntimeError(f"{filename} for {arch}: ptxas serialized wgmma:\n" + "\n".join(serialized))
     return _parse_ptxas(log, {v: k for k, v in lowered.items()})
 
 

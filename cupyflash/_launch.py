@@ -326,13 +326,15 @@ def check_supported(spec, block_mask):
                              f"device {dev.id} has {limit}")
 
 
-# cuda/fwd_sm90.cu's parameters: the tensor maps of q, k and v (64-byte aligned), then FwdParams;
-# the size rounded up to 64 bytes as the C struct's.
+# cuda/fwd_sm90.cu's parameters: the tensor maps of q, k, v and o (64-byte aligned), FwdParams,
+# the counter of tiles handed out and the grid of tiles the persistent blocks take; the size
+# rounded up to 64 bytes as the C struct's.
 _MAP = _tma.TMA_DESC.itemsize
-FWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "base"],
-                            "formats": [_tma.TMA_DESC] * 3 + [FWD_PARAMS],
-                            "offsets": [0, _MAP, 2 * _MAP, 3 * _MAP],
-                            "itemsize": _config.cdiv(3 * _MAP + FWD_PARAMS.itemsize, 64) * 64})
+_AFTER_MAPS = 4 * _MAP + FWD_PARAMS.itemsize
+FWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "o", "base", "counter", "grid"],
+                            "formats": [_tma.TMA_DESC] * 4 + [FWD_PARAMS, np.uint64, (np.int32, 3)],
+                            "offsets": [0, _MAP, 2 * _MAP, 3 * _MAP, 4 * _MAP, _AFTER_MAPS, _AFTER_MAPS + 8],
+                            "itemsize": _config.cdiv(_AFTER_MAPS + 8 + 12, 64) * 64})
 SM90_FWD_ROWS, SM90_FWD_THREADS = 128, 384
 
 
@@ -348,9 +350,10 @@ def sm90_fwd_keys(hd):
 
 
 def sm90_fwd_smem(hd):
-    """Q (128 rows) and two buffers of K and of V (sm90_fwd_keys rows each), 16-bit elements,
-    and 1 KB to align them to 1024 bytes."""
-    return (SM90_FWD_ROWS + 2 * 2 * sm90_fwd_keys(hd)) * hd * 2 + 1024
+    """Q (128 rows), two buffers of K and of V (sm90_fwd_keys rows each) and, for hd <= 128,
+    O's stage (as Q), 16-bit elements, and 1 KB to align them to 1024 bytes."""
+    own_stage = SM90_FWD_ROWS if hd <= 128 else 0
+    return (SM90_FWD_ROWS + 2 * 2 * sm90_fwd_keys(hd) + own_stage) * hd * 2 + 1024
 
 
 def kernel_family(spec, block_mask, *arrays):
@@ -373,7 +376,7 @@ def kernel_family(spec, block_mask, *arrays):
     return "generic"
 
 
-def _forward_sm90(p, q, k, v, spec, block_mask):
+def _forward_sm90(p, q, k, v, out, spec, block_mask):
     b, sq, h, d = q.shape
     hd = sm90_headdim(spec.headdim)
     keys = sm90_fwd_keys(hd)
@@ -381,14 +384,22 @@ def _forward_sm90(p, q, k, v, spec, block_mask):
         _fill_lists(p, block_mask, SM90_FWD_ROWS, keys, spec.causal, kv=True, q=False)
     _check_lists(p, "kv_blocks", SM90_FWD_ROWS, keys)
     tp = np.zeros((), FWD_SM90_PARAMS)
-    grid = _tile_grid(p, _config.cdiv(sq, SM90_FWD_ROWS), h, b, spec.causal)
+    tp["grid"] = _tile_grid(p, _config.cdiv(sq, SM90_FWD_ROWS), h, b, spec.causal)
     tp["base"] = p
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
                               (x.strides[2], x.strides[1], x.strides[0]),
-                              (64, 1, 64 if name == "q" else keys, 1))
+                              (64, 1, keys if name in ("k", "v") else 64, 1))
+    # Persistent (hd <= 128, cuda/fwd_sm90.cu): one block per SM at most, each taking tiles
+    # of the grid from the counter; else one block per tile.
+    blocks = int(np.prod(tp["grid"], dtype=np.int64))
+    if hd <= 128:
+        import cupy
+        counter = cupy.zeros((), np.int32)
+        tp["counter"] = counter.data.ptr
+        blocks = min(blocks, _sm_count())
     name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant())
-    _launch("fwd_sm90.cu", name, grid, SM90_FWD_THREADS, sm90_fwd_smem(hd), tp[()],
+    _launch("fwd_sm90.cu", name, (blocks, 1, 1), SM90_FWD_THREADS, sm90_fwd_smem(hd), tp[()],
             spec.user_mods)
 
 
@@ -407,7 +418,7 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
     b, sq, h, d = q.shape
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
     if kernel_family(spec, block_mask, q, k, v) == "sm90":
-        _forward_sm90(p, q, k, v, spec, block_mask)
+        _forward_sm90(p, q, k, v, out, spec, block_mask)
     elif spec.dtype in TENSOR_CORE:
         def name_of(t):
             return ("fwd.cu", template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps,

@@ -114,6 +114,30 @@ def test_a_stack_frame_is_local_memory(monkeypatch):
     assert set(local_memory(stats)) == {"stack_kernel", "callee_stack_kernel"}, stats
 
 
+# A register of wgmma's accumulators written on a divergent path before the product: ptxas
+# makes every wgmma of the kernel wait for the previous one, and says so only in its log.
+SERIAL_PROBE = r"""
+__global__ void serial_probe(float* out, unsigned long long a, unsigned long long b) {
+    float d[32];
+    for (int i = 0; i < 32; ++i) d[i] = out[i];
+    if (threadIdx.x % 2) {
+        d[0] += 1.f;
+        wgmma_ss<bf16>(d, a, b, true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
+}
+"""
+
+
+def test_serialized_wgmma_fails_the_compile_check(monkeypatch):
+    pieces = _compile.source("sm90.cuh")
+    monkeypatch.setattr(_compile, "source", lambda filename, user_mods="": pieces + SERIAL_PROBE)
+    with pytest.raises(RuntimeError, match="serialized wgmma"):
+        nvrtc_compile("probe.cu", ["serial_probe"], "sm_90a")
+
+
 # User mods: kernels with a snippet are compiled per snippet at run time (their tile is the
 # largest without local memory, checked then); the table's "user" tiles, their fallback, must
 # compile clean for the README's kind of rules: a relative-position bias with its table's
