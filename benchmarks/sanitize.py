@@ -141,6 +141,10 @@ CASES = (
     Case("fp16", 257, 255, 64, False, batch=2),                # several two-buffer steps
     Case("fp16", 300, 257, 96, True, nheads=4, nheads_k=2),
     Case("bf16", 256, 256, 128, True, batch=2, nheads=3, nheads_k=3),   # launch groups
+    # More tiles than an H100's or H200's SMs: each persistent block of the Hopper forward
+    # takes several.
+    Case("bf16", 130, 97, 64, False, nheads=70, nheads_k=10),
+    Case("fp16", 200, 130, 128, True, nheads=68, nheads_k=17),
     Case("bf16", 257, 300, 192, False),
     Case("fp16", 200, 200, 224, True),
     # Block-sparse (block rows and columns that see nothing where there are three or more).

@@ -88,8 +88,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 
     if (threadIdx.x == 0) {
         mbar_init(&q_full, 1);
-        // Released by each consumer warp once its products have read the buffer.
-        mbar_init(&q_empty, Consumers / 32);
+        // K and V: released by each consumer warp once its products have read the buffer; Q by
+        // every consumer thread.
+        mbar_init(&q_empty, Consumers);
         for (int s = 0; s < Stages; ++s) {
             mbar_init(&k_full[s], 1);
             mbar_init(&v_full[s], 1);
@@ -153,6 +154,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     auto release = [&](unsigned long long* empty) {
         if (lane == 0) mbar_arrive(empty);
     };
+    // Q's release also lets the producer write tile_slot again, and an arrival releases only
+    // its own thread's accesses: every consumer thread, having read it, arrives.
+    auto release_q = [&]() { mbar_arrive(&q_empty); };
     // S = Q K^T of key block g: the warpgroup's 64 rows x Bc keys, k16 steps over the head dim.
     auto issue_qk = [&](int g) {
         const int buf = g % Stages;
@@ -227,7 +231,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         auto scores_landed = [&](int it) {
             wgmma_fence_operands(sflat);
             release(&k_empty[(g + it) % Stages]);
-            if (OwnStage && it == kb.count - 1) release(&q_empty);
+            if (OwnStage && it == kb.count - 1) release_q();
         };
 
         if (kb.count > 0) {
@@ -261,7 +265,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(acc));
             release(&v_empty[(g + kb.count - 1) % Stages]);
         } else if (OwnStage) {
-            release(&q_empty);
+            release_q();
         }
         g += kb.count;
 
@@ -279,7 +283,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         }
         if (!OwnStage) {
             named_bar_sync(4 + wg, 128);   // the store has read Q's tile: the next Q may land
-            release(&q_empty);
+            release_q();
         }
     }
     if (store_thread) bulk_wait<0>();

@@ -203,6 +203,10 @@ SM90_CASES = [
     (2, 300, 333, 4, 4, 64, dict(alibi=True)),
     (1, 260, 300, 2, 2, 128, dict(softcap=3.0, alibi=True, window_size=(64, 0))),
     (1, 300, 400, 4, 2, 128, dict(block_mask="sliding")),
+    # More tiles than SMs: the persistent blocks take several each, Q's and the buffers'
+    # phases running on across tiles.
+    (3, 300, 257, 60, 20, 128, dict(causal=True)),
+    (2, 257, 130, 120, 40, 64, {}),
 ]
 
 
