@@ -120,8 +120,16 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     CuPy's current stream (JAX orders its work against ours through DLPack). Nothing
     synchronizes the host. Host and device arrays cannot be mixed in one call; device arrays
     of different frameworks on one GPU can, and the results take q's kind. The same holds for
-    ``flash_attention_backward``.
+    ``flash_attention_backward``. PyTorch tensors traced by ``torch.compile`` or
+    ``torch.export`` go to the custom operators of ``cupyflash.torch`` (no graph break).
     """
+    if _traced_by_torch(q):
+        from . import torch as torch_ops
+        return torch_ops.traced_forward(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+            offset=offset, block_mask=block_mask, score_mod=score_mod, mask_mod=mask_mod,
+            return_lse=_validate.check_flag("return_lse", return_lse))
     causal = _validate.check_flag("causal", causal)
     return_lse = _validate.check_flag("return_lse", return_lse)
     score_mod, mask_mod = _check_mods(score_mod, mask_mod, block_mask, window_size)
@@ -177,6 +185,13 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
         The gradients of those arrays by name, shaped like them (float32 on the GPU, float64
         for float64 inputs and on the NumPy path), as a fourth result.
     """
+    if _traced_by_torch(q):
+        from . import torch as torch_ops
+        return torch_ops.traced_backward(
+            dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            dropout_p=dropout_p, seed=seed, offset=offset, block_mask=block_mask,
+            score_mod=score_mod, mask_mod=mask_mod, deterministic=deterministic)
     causal = _validate.check_flag("causal", causal)
     deterministic = _validate.check_flag("deterministic", deterministic)
     score_mod, mask_mod = _check_mods(score_mod, mask_mod, block_mask, window_size)
@@ -209,6 +224,18 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
             return (*(_arrays.to_caller(g, kind) for g in grads[:3]),
                     {n: _arrays.to_caller(g, kind) for n, g in grads[3].items()})
         return tuple(_arrays.to_caller(g, kind) for g in grads)
+
+
+def _traced_by_torch(q):
+    """True when ``torch.compile`` (Dynamo) or ``torch.export`` traces this call with PyTorch
+    tensors, which have no data to read then: the call goes to cupyflash.torch's custom
+    operators instead. Imports PyTorch only when q is a tensor (so it is loaded already).
+    Not ``torch.compiler.is_compiling()``: it stays true through a whole compile session,
+    in which an operator's real body (which calls this function) could also run."""
+    if type(q).__module__.split(".")[0] != "torch":
+        return False
+    import torch
+    return torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
 
 
 def _check_mods(score_mod, mask_mod, block_mask, window_size):

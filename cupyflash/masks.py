@@ -31,7 +31,7 @@ import numbers
 
 import numpy as np
 
-from . import _spec
+from . import _spec, mods
 from ._config import MASK_BLOCK_SIZES as BLOCK_SIZES, cdiv
 from ._validate import INT32_LIMIT, check_flag, check_int as _check_int
 
@@ -161,7 +161,7 @@ def _read_only(a):
 
 # ---------------------------------------------------------------------------------------------
 
-class BlockMask:
+class BlockMask(mods.Live):
     """A block-level attention mask, shared by all heads (``heads == 1``) or one per head.
 
     Build it with ``BlockMask.from_dense`` or a builder of ``cupyflash.masks``; pass it as
@@ -560,7 +560,6 @@ def from_mask_mod(mask_mod, seqlen_q, seqlen_k, *, batch=None, nheads=None, bloc
     the GPU (or it has none and CuPy sees a GPU); else on the CPU with its ``python`` rule.
     Either way the block grid comes back to the host once (``nbq x nbk`` per head).
     """
-    from . import mods
     mask_mod = mods.as_mask_mod(mask_mod)
     return classify_mask_mod(mask_mod, seqlen_q, seqlen_k, batch=batch, nheads=nheads,
                              block_size=block_size, causal=causal, on_gpu=_on_gpu(mask_mod))
@@ -599,7 +598,7 @@ def _on_gpu(mask_mod):
 
 def _classify_gpu(mask_mod, seqlen_q, seqlen_k, block_q, block_k, heads, batch):
     import cupy
-    from . import _arrays, _launch, mods
+    from . import _arrays, _launch
     if mask_mod.cuda is None:
         raise ValueError("mask_mod has no CUDA rule (cuda=) to classify its blocks on the GPU")
     text = mods.prelude(None, mask_mod)

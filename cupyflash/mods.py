@@ -21,10 +21,25 @@ Snippets are either one C++ expression or a function body with ``return``. Names
 """
 import functools
 import re
+import weakref
 
 import numpy as np
 
 __all__ = ["ScoreMod", "MaskMod", "SnippetError"]
+
+# Every live ScoreMod, MaskMod and BlockMask by its id(), weakly: how the operators of
+# cupyflash.torch, whose arguments can only be tensors and numbers, find a call's object.
+live = weakref.WeakValueDictionary()
+
+
+class Live:
+    """Base of ScoreMod, MaskMod and BlockMask: each instance enters ``live`` when it is made,
+    however (built, copied or unpickled: all go through ``__new__``)."""
+
+    def __new__(cls, *args, **kwargs):
+        obj = super().__new__(cls)
+        live[id(obj)] = obj
+        return obj
 
 # dtypes of the arrays a snippet may read, and their C++ element types.
 CTYPES = {"bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short",
@@ -103,7 +118,7 @@ def _body(code):
     return code if _RETURN.search(code) else f"return ({code});"
 
 
-class ScoreMod:
+class ScoreMod(Live):
     """A rule for the scores: ``score_mod(score, b, h, q_idx, kv_idx) -> new score``.
 
     Parameters
@@ -154,7 +169,7 @@ class ScoreMod:
                 f" grad_arrays={list(self.grad_arrays)})")
 
 
-class MaskMod:
+class MaskMod(Live):
     """A rule for which keys a query sees: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True:
     visible).
 

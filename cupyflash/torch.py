@@ -1,67 +1,241 @@
-"""PyTorch autograd for cupyflash: ``flash_attention`` as a ``torch.autograd.Function``.
+"""PyTorch: ``flash_attention`` with autograd, as ``torch.library`` custom operators.
 
-``import cupyflash.torch`` needs PyTorch; ``import cupyflash`` never imports this module.
+``import cupyflash.torch`` needs PyTorch with ``torch.library.custom_op`` (2.4 and later;
+tested with 2.11 and 2.13); ``import cupyflash`` never imports this module, nor PyTorch.
 
-The forward saves q, k, v, out and lse (the lse is float32, ``batch * nheads * seqlen_q``
-numbers; nothing of size ``seqlen_q x seqlen_k`` is kept) and the backward calls
-``cupyflash.flash_attention_backward``. Tensors are read in place through DLPack (any
-strides with a contiguous last dimension), and the kernels run on PyTorch's current stream
-of the tensors' device. CUDA tensors run the GPU kernels; CPU tensors run the NumPy path.
+Two operators are registered, ``torch.ops.cupyflash.flash_attention`` (q, k, v and the
+options -> out, lse) and ``torch.ops.cupyflash.flash_attention_backward`` (dout, q, k, v, out,
+lse and the same options -> dq, dk, dv), each with a fake (meta) implementation that gives
+the shapes and dtypes of its results, and the forward with an autograd formula that saves q,
+k, v, out and lse (the lse is float32, ``batch * nheads * seqlen_q`` numbers; nothing of size
+``seqlen_q x seqlen_k`` is kept) and calls the backward operator. So ``torch.compile``
+traces a model that calls ``flash_attention`` with no graph break (``fullgraph=True``
+works, forward and backward), and ``torch.export`` records the call as one node.
+``cupyflash.flash_attention`` and ``cupyflash.flash_attention_backward`` called on tensors
+while ``torch.compile`` or ``torch.export`` traces them go to the same operators (there the
+backward gives dq, dk and dv only: a score_mod's ``grad_arrays`` raise NotImplementedError).
 
-Not supported: ``torch.compile`` traces around the call (a graph break: the function is not
-a registered custom op), double backward, and gradients with respect to ``softmax_scale``,
-``softcap``, ``alibi_slopes`` and a user mod's arrays (constants of the call, as in
-FlashAttention 2). Dropout
-takes an explicit ``seed`` (PyTorch's generator is not drawn from): the backward regenerates
-the forward's mask from the saved seed and offset.
+Inside, the operators call ``cupyflash.flash_attention`` / ``flash_attention_backward`` on the
+tensors themselves: they are read in place through DLPack (any strides with a contiguous last
+dimension), the kernels run on PyTorch's current stream of the tensors' device, and the
+results come back without a copy. CUDA tensors run the GPU kernels; CPU tensors run the
+NumPy path.
+
+Python objects as operator arguments. An operator's arguments can only be tensors and plain
+scalars, but ``block_mask`` (a ``cupyflash.BlockMask``), ``score_mod`` and ``mask_mod`` (a
+``cupyflash.ScoreMod`` / ``MaskMod`` or a callable) are Python objects with cached state:
+a BlockMask keeps its visiting lists, in tile units and on the device, from call to call, and
+a mod carries Python callables and CUDA text. Turning them into tensors at every call would
+rebuild those caches (host work and host-to-device copies per call), and a callable has no
+tensor form at all. So each object is passed as an int *handle*, its ``id()``, and the
+operators find the object by it when they run: every BlockMask, ScoreMod and MaskMod enters
+``cupyflash.mods.live`` (a weak dictionary by id()) when it is made (built, copied or
+unpickled), and a plain callable is made into its ScoreMod / MaskMod first.
+
+- An eager call's objects are alive while it runs (the caller holds them), and its autograd
+  context holds them strongly until the backward has run; ``mods.live`` holds nothing alive,
+  so an object leaves it with its last reference and nothing accumulates across calls.
+- A traced call (``torch.compiler.is_compiling()``: ``torch.compile`` and ``torch.export``)
+  bakes the handle into the graph as a constant, valid for as long as the graph lives (a
+  compiled backward runs after the forward's caller may have dropped the object), so the
+  object is *pinned* here for the life of the process (one entry per object, however often
+  it is traced, and per trace for a plain callable; a process that compiles over many
+  short-lived masks keeps them all). Dynamo takes ``id(obj)`` of an object from outside the
+  compiled function as a constant, guarded on the object's identity (another mask or mod
+  object recompiles; a pinned object is never freed, so its id is never another's), and
+  runs the pinning at trace time (``torch.compiler.assume_constant_result``, whose
+  arguments must be constants: an int, or a function for a plain callable). The graph
+  depends on nothing else of the object: the operators read the object itself when they
+  run.
+
+So build masks and mods once, outside the compiled function (module attributes, globals or
+arguments: Dynamo does not trace their construction). An exported program holds handles of
+this process: it runs here, but cannot be saved and loaded elsewhere with them.
+
+Not supported: double backward, and gradients with respect to ``softmax_scale``,
+``softcap``, ``alibi_slopes``, ``lse`` and a user mod's arrays (constants of the call, as in
+FlashAttention 2; the mods' arrays are read when the kernels run, they are not inputs of the
+graph). Dropout takes an explicit ``seed`` (PyTorch's generator is not drawn from): the
+backward regenerates the forward's mask from the saved seed and offset.
 """
+from typing import Optional
+
 try:
     import torch
 except ImportError as e:           # pragma: no cover - depends on the environment
     raise ImportError("cupyflash.torch needs PyTorch (pip install torch); the rest of "
                       "cupyflash works without it") from e
+if not hasattr(torch.library, "custom_op"):   # pragma: no cover - depends on the environment
+    raise ImportError(f"cupyflash.torch needs PyTorch >= 2.4 (torch.library.custom_op), "
+                      f"found {torch.__version__}")
 
-from . import _validate, api
+from . import _validate, api, masks, mods
 
-__all__ = ["flash_attention", "FlashAttentionFunction"]
+__all__ = ["flash_attention"]
+
+# --- Python objects passed to the operators by handle (see the module docstring) -------------
+
+NO_OBJECT = -1          # the handle of None (id() is never negative)
+_SLOPES = 4             # alibi_slopes' place among the operators' option arguments
+_SEED_RANGE = 2**64     # seeds are uint64; the operators' ints are int64
+
+_pinned = {}            # handle -> object, kept for the traced graphs that hold the handle
 
 
-class FlashAttentionFunction(torch.autograd.Function):
-    """``apply(q, k, v, causal, softmax_scale, block_mask, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, score_mod=None, mask_mod=None)`` ->
-    out, differentiable in q, k, v."""
+def _find(handle):
+    """The BlockMask, ScoreMod or MaskMod of ``handle`` (None for NO_OBJECT)."""
+    if handle == NO_OBJECT:
+        return None
+    obj = _pinned[handle] if handle in _pinned else mods.live.get(handle)
+    if obj is None:
+        raise RuntimeError(f"cupyflash.torch: no object has handle {handle} any more (the "
+                           f"autograd graph of the call that passed it was freed)")
+    return obj
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, block_mask, window_size=(-1, -1),
-                softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
-                score_mod=None, mask_mod=None):
-        options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                       seed=seed, offset=offset, block_mask=block_mask, score_mod=score_mod,
-                       mask_mod=mask_mod)
-        out, lse = api.flash_attention(q, k, v, return_lse=True, **options)
-        ctx.save_for_backward(q, k, v, out, lse)
-        # The slopes are an input that gets no gradient: kept as is, like the other options.
-        ctx.options = options
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        # Autograd may hand a broadcast gradient (e.g. of out.sum(), all strides 0); the
-        # kernels read any strides but need the last dimension contiguous.
-        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        # A score_mod's table gradients (a 4th result) are not inputs of this function.
-        dq, dk, dv = api.flash_attention_backward(dout, q, k, v, out, lse, **ctx.options)[:3]
-        return (dq, dk, dv) + (None,) * 11
+@torch.compiler.assume_constant_result
+def _pin_object(object_id):
+    """The handle of a BlockMask or mod, ``object_id`` (its id()), for a traced graph: the
+    object is kept for the life of the process. Under Dynamo, which takes id() of an object
+    from outside the compiled function as a constant and guards the graph on that identity,
+    this runs once, at trace time, and its result is baked into the graph."""
+    _pinned[object_id] = mods.live[object_id]
+    return object_id
 
+
+@torch.compiler.assume_constant_result
+def _pin_callable(fn, as_mod):
+    """The handle of a plain callable ``score_mod`` / ``mask_mod``, for a traced graph: of its
+    ScoreMod / MaskMod (``as_mod(fn)``), made and pinned at trace time. A callable made inside
+    the compiled function has no identity to guard on, but Dynamo takes a function as a
+    constant (its code and its closure's constants)."""
+    mod = as_mod(fn)
+    _pinned[id(mod)] = mod
+    return id(mod)
+
+
+def _traced_handle(obj, as_mod):
+    if obj is None:
+        return NO_OBJECT
+    if isinstance(obj, (masks.BlockMask, mods.ScoreMod, mods.MaskMod)):
+        return _pin_object(id(obj))
+    return _pin_callable(obj, as_mod)
+
+
+def _op_args(causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, offset,
+             block_mask, score_mod, mask_mod):
+    """The operators' option arguments of a call (after q, k, v), and the objects its handles
+    stand for, which the caller keeps until the operators have run."""
+    causal = _validate.check_flag("causal", causal)
+    window_size = list(_validate.check_window_size(window_size, block_mask))
+    dropout_p, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
+    if seed is not None and seed >= _SEED_RANGE // 2:
+        seed -= _SEED_RANGE                      # the same 64 bits, as an int64
+    if block_mask is not None and not isinstance(block_mask, masks.BlockMask):
+        raise TypeError(f"block_mask must be a cupyflash.BlockMask or None, got "
+                        f"{type(block_mask).__name__}")
+    if torch.compiler.is_compiling():
+        objects = ()
+        handles = (_traced_handle(block_mask, None),
+                   _traced_handle(score_mod, mods.as_score_mod),
+                   _traced_handle(mask_mod, mods.as_mask_mod))
+    else:
+        # A plain callable becomes its ScoreMod / MaskMod here, which registers itself.
+        objects = (block_mask, mods.as_score_mod(score_mod), mods.as_mask_mod(mask_mod))
+        handles = tuple(NO_OBJECT if o is None else id(o) for o in objects)
+    return (causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
+            offset, *handles), objects
+
+
+def _api_options(causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
+                 offset, block_mask, score_mod, mask_mod):
+    """The keywords of ``cupyflash.flash_attention`` from the operators' option arguments."""
+    return dict(causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size),
+                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                seed=None if seed is None else seed % _SEED_RANGE, offset=offset,
+                block_mask=_find(block_mask), score_mod=_find(score_mod),
+                mask_mod=_find(mask_mod))
+
+
+# --- the operators ---------------------------------------------------------------------------
+
+@torch.library.custom_op("cupyflash::flash_attention", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                softmax_scale: Optional[float], window_size: list[int], softcap: float,
+                alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int],
+                offset: int, block_mask: int, score_mod: int,
+                mask_mod: int) -> tuple[torch.Tensor, torch.Tensor]:
+    options = _api_options(causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                           seed, offset, block_mask, score_mod, mask_mod)
+    return api.flash_attention(q, k, v, return_lse=True, **options)
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, *options):
+    # Both paths return a fresh C-contiguous out and lse (whatever q's strides).
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("cupyflash::flash_attention_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 softmax_scale: Optional[float], window_size: list[int], softcap: float,
+                 alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int],
+                 offset: int, block_mask: int, score_mod: int, mask_mod: int,
+                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Autograd may hand a broadcast gradient (e.g. of out.sum(), all strides 0); the
+    # kernels read any strides but need the last dimension contiguous.
+    if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    options = _api_options(causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                           seed, offset, block_mask, score_mod, mask_mod)
+    grads = api.flash_attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                         **options)
+    # A score_mod's table gradients (a 4th result) are not inputs of the forward operator.
+    return grads[:3]
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, *options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, options[_SLOPES])
+    ctx.mark_non_differentiable(lse)
+    options[_SLOPES] = None                 # a tensor: it goes through save_for_backward
+    ctx.options = options
+    # An eager call's objects may be freed once it returns (mods.live holds them weakly); the
+    # backward needs them until it runs.
+    ctx.objects = [_find(h) for h in options[-3:]]
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    options = list(ctx.options)
+    options[_SLOPES] = alibi_slopes
+    dq, dk, dv = torch.ops.cupyflash.flash_attention_backward(dout, q, k, v, out, lse, *options,
+                                                             False)
+    return (dq, dk, dv) + (None,) * len(options)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- the public function, and the routes of cupyflash.flash_attention* under tracing --------
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
                     block_mask=None, score_mod=None, mask_mod=None):
-    """``cupyflash.flash_attention`` for PyTorch tensors, with autograd.
+    """``cupyflash.flash_attention`` for PyTorch tensors, with autograd, ``torch.compile``
+    (no graph break) and ``torch.export``.
 
     Parameters
     ----------
@@ -76,7 +250,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         when ``seqlen_q != seqlen_k``); ``alibi_slopes`` a float32 tensor on q's device;
         ``seed`` an int, required with ``dropout_p > 0`` (the backward reuses it). The arrays
         of a user mod are constants here (no autograd through them): the gradients of its
-        ``grad_arrays`` come from ``cupyflash.flash_attention_backward``.
+        ``grad_arrays`` come from ``cupyflash.flash_attention_backward``. Under
+        ``torch.compile``, pass a BlockMask or mod built outside the compiled function (see
+        the module docstring).
 
     Returns
     -------
@@ -90,8 +266,32 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     ...                 requires_grad=True)
     >>> out = cft.flash_attention(q, q, q, causal=True)
     >>> out.float().square().sum().backward()
+    >>> step = torch.compile(lambda q: cft.flash_attention(q, q, q, causal=True),
+    ...                      fullgraph=True)
     """
-    return FlashAttentionFunction.apply(q, k, v, _validate.check_flag("causal", causal),
-                                        softmax_scale, block_mask, window_size, softcap,
-                                        alibi_slopes, dropout_p, seed, offset, score_mod,
-                                        mask_mod)
+    # ``objects`` is held until the operator (and its autograd context) has taken them.
+    options, objects = _op_args(causal, softmax_scale, window_size, softcap, alibi_slopes,
+                              dropout_p, seed, offset, block_mask, score_mod, mask_mod)
+    out, _ = torch.ops.cupyflash.flash_attention(q, k, v, *options)
+    return out
+
+
+def traced_forward(q, k, v, *, return_lse, **options):
+    """``cupyflash.flash_attention`` on tensors under ``torch.compile`` / ``torch.export``
+    tracing: the forward operator on detached tensors, as the eager call (no autograd)."""
+    args, _ = _op_args(**options)
+    out, lse = torch.ops.cupyflash.flash_attention(q.detach(), k.detach(), v.detach(), *args)
+    return (out, lse) if return_lse else out
+
+
+def traced_backward(dout, q, k, v, out, lse, *, deterministic, **options):
+    """``cupyflash.flash_attention_backward`` on tensors under tracing: the backward operator,
+    which gives dq, dk and dv (not a score_mod's ``grad_arrays``: NotImplementedError)."""
+    if getattr(options["score_mod"], "grad_arrays", ()):
+        raise NotImplementedError("cupyflash.flash_attention_backward under torch.compile / "
+                                  "torch.export does not return a score_mod's grad_arrays; "
+                                  "call it outside the compiled region")
+    deterministic = _validate.check_flag("deterministic", deterministic)
+    args, _ = _op_args(**options)
+    tensors = (t.detach() for t in (dout, q, k, v, out, lse))
+    return torch.ops.cupyflash.flash_attention_backward(*tensors, *args, deterministic)
