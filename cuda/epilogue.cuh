@@ -70,29 +70,51 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<F
                                      p.headdim, vec_ok);
 }
 
+// Element offset of (row r, column c) in a stage of 64-column sub-tiles of Rows rows in the
+// 128-byte-swizzled layout that wgmma descriptors and tensor maps with that swizzle read
+// (16-byte chunk j of row r at chunk j ^ (r % 8)): a warp's 4-byte stores of an accumulator
+// row pair hit every bank once.
+template <int Rows>
+__device__ __forceinline__ int swizzled_offset(int r, int c) {
+    return (c / 64 * Rows + r) * 64 + ((c % 64 / 8) ^ (r % 8)) * 8 + c % 8;
+}
+
+// acc[M][N][4] (rows from wrow, mma accumulator layout) times factor(m, half) per row, as
+// 16-bit pairs into a swizzled stage of Rows rows (swizzled_offset).
+template <typename Elem, int Rows, int M, int N, typename Factor>
+__device__ __forceinline__ void stage_swizzled(u16* stage, int wrow, int lane, const float (&acc)[M][N][4],
+                                               Factor&& factor) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = wrow + 16 * m + g + 8 * hf;
+            const float f = factor(m, hf);
+#pragma unroll
+            for (int n = 0; n < N; ++n)
+                *reinterpret_cast<u32*>(stage + swizzled_offset<Rows>(r, 8 * n + 2 * t)) =
+                    pack2<Elem>(acc[m][n][2 * hf] * f, acc[m][n][2 * hf + 1] * f);
+        }
+}
+
 // The forward for a kernel that stores O with the copy engine (the Hopper forward): O = acc /
-// l of the warp's 16 rows from wrow into `stage`, 64-column sub-tiles of Rows rows in the
-// 128-byte-swizzled layout a tensor map with that swizzle stores from (16-byte chunk j of row r
-// at chunk j ^ (r % 8): a warp's stores hit every bank once); lse of the valid rows straight to
-// memory. row0 is the stage's first row in the sequence.
+// l of the warp's 16 rows from wrow into a swizzled stage of Rows rows, lse of the valid rows
+// straight to memory. row0 is the stage's first row in the sequence.
 template <typename Elem, int Rows, int MT, int DT>
 __device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
                                                    int wrow, int lane, OnlineSoftmax<2 * MT>& softmax, float mult,
                                                    const float (&acc)[MT][DT][4], u16* stage) {
     float inv_l[2 * MT], lse[2 * MT];
     softmax.finalize(mult, inv_l, lse);
-    const int g = lane / 4, t = lane % 4;
+    stage_swizzled<Elem, Rows>(stage, wrow, lane, acc, [&](int m, int hf) { return inv_l[2 * m + hf]; });
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int r = wrow + 16 * m + g + 8 * hf;
-            const float f = inv_l[2 * m + hf];
-#pragma unroll
-            for (int n = 0; n < DT; ++n)
-                *reinterpret_cast<u32*>(stage + (n / 8 * Rows + r) * 64 + ((n % 8) ^ (r % 8)) * 8 + 2 * t) =
-                    pack2<Elem>(acc[m][n][2 * hf] * f, acc[m][n][2 * hf + 1] * f);
-            if (t == 0 && row0 + r < seq.seqlen_q()) static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * m + hf];
+            const int r = wrow + 16 * m + lane / 4 + 8 * hf;
+            if (lane % 4 == 0 && row0 + r < seq.seqlen_q())
+                static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * m + hf];
         }
 }
 

@@ -202,6 +202,30 @@ __device__ __forceinline__ void wgmma_ss<fp16, 64>(float (&d)[64], unsigned long
                                                    bool accumulate) {
     CUPYFLASH_WGMMA_SS(128, "f16", CUPYFLASH_WGMMA_D64, CUPYFLASH_WGMMA_OUT64, "64", "65", "66");
 }
+// d[32] (+)= A B with both operands MN-major in shared memory (128-byte swizzle, 16 K-rows =
+// 2048 bytes): A (64 x 16) stored as rows of K holding the 64 M-elements (a transposed tile:
+// dS^T for dQ = dS K), B (16 x 64) as for wgmma_rs.
+template <typename Elem>
+__device__ __forceinline__ void wgmma_ss_tt(float (&d)[32], unsigned long long a, unsigned long long b,
+                                            bool accumulate);
+#define CUPYFLASH_WGMMA_SS_TT(TYPE)                                                                              \
+    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %34, 0;\n\t"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUPYFLASH_WGMMA_D32            \
+                 ", %32, %33, acc, 1, 1, 1, 1;\n\t}"                                                             \
+                 : CUPYFLASH_WGMMA_OUT32                                                                         \
+                 : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+template <>
+__device__ __forceinline__ void wgmma_ss_tt<bf16>(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                  bool accumulate) {
+    CUPYFLASH_WGMMA_SS_TT("bf16");
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_tt<fp16>(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                  bool accumulate) {
+    CUPYFLASH_WGMMA_SS_TT("f16");
+}
+#undef CUPYFLASH_WGMMA_SS_TT
+
 template <>
 __device__ __forceinline__ void wgmma_rs<bf16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
                                                bool accumulate) {

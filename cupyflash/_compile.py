@@ -131,7 +131,7 @@ def _cache_error(e):
 # rest: the kernel's lowered name, a NUL byte, the cubin), under a key of everything that
 # changes it; a file that fails the check is compiled again and rewritten, a read-only
 # directory is used for reading, CUPY_CACHE_IN_MEMORY=1 keeps it off the disk, as CuPy's own.
-ARCH_SPECIFIC = {"fwd_sm90.cu": "sm_90a"}
+ARCH_SPECIFIC = {"fwd_sm90.cu": "sm_90a", "bwd_sm90.cu": "sm_90a"}
 
 
 def _cache_dir():

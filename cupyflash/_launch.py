@@ -376,6 +376,58 @@ def kernel_family(spec, block_mask, *arrays):
     return "generic"
 
 
+# cuda/bwd_sm90.cu's parameters: the tensor maps of q, k, v, dout, dk and dv, then BwdParams.
+BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base"],
+                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS],
+                            "offsets": [i * _MAP for i in range(7)],
+                            "itemsize": _config.cdiv(6 * _MAP + BWD_PARAMS.itemsize, 64) * 64})
+SM90_BWD_KEYS, SM90_BWD_ROWS = 128, 64
+
+
+def bwd_family(spec, block_mask, deterministic, *arrays):
+    """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward, else
+    "generic". It covers fp16/bf16 with 16-byte aligned rows, head-dim buckets 64 and 128,
+    every band, softcap, ALiBi and user mask_mods, block masks whose blocks its tiles divide
+    (64 queries x 128 keys), with dQ added atomically; deterministic=True, dropout and user
+    score_mods run the generic kernels."""
+    import cupy
+    if os.environ.get("CUPYFLASH_KERNELS", "auto") == "generic":
+        return "generic"
+    if (cupy.cuda.Device().compute_capability == "90" and spec.dtype in TENSOR_CORE
+            and spec.headdim in (64, 128) and not (deterministic or spec.dropout or spec.score_mod)
+            and _sm90_bwd_instantiated(spec.headdim, spec)
+            and (block_mask is None or (block_mask.block_q % SM90_BWD_ROWS == 0
+                                        and block_mask.block_k % SM90_BWD_KEYS == 0))
+            and _vec_ok(*arrays)):
+        return "sm90"
+    return "generic"
+
+
+def _sm90_bwd_instantiated(hd, spec):
+    """Causal with ALiBi at head dim 128 runs the generic backward: ptxas spilled 8 bytes of
+    that Hopper instantiation (NVRTC 13.5)."""
+    return not (hd == 128 and spec.causal and spec.alibi)
+
+
+def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask):
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    hd = spec.headdim
+    if block_mask is not None:
+        _fill_lists(p, block_mask, SM90_BWD_ROWS, SM90_BWD_KEYS, spec.causal, kv=False, q=True)
+    _check_lists(p, "q_blocks", SM90_BWD_KEYS, SM90_BWD_ROWS)
+    tp = np.zeros((), BWD_SM90_PARAMS)
+    grid = _tile_grid(p, _config.cdiv(sk, SM90_BWD_KEYS), hk, b, spec.causal)
+    tp["base"] = p
+    for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
+        tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
+                              (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
+    # K, V (128 rows), two stages of Q and dO (64 rows), two 64 x 64 dS^T tiles, 1 KB to align.
+    smem = (2 * SM90_BWD_KEYS + 4 * SM90_BWD_ROWS) * hd * 2 + 2 * 64 * 64 * 2 + 1024
+    name = template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant())
+    _launch("bwd_sm90.cu", name, grid, SM90_FWD_THREADS, smem, tp[()], spec.user_mods)
+
+
 def _forward_sm90(p, q, k, v, out, spec, block_mask):
     b, sq, h, d = q.shape
     hd = sm90_headdim(spec.headdim)
@@ -464,7 +516,14 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     rows = (_config.cdiv(sq, _config.GENERIC_WARPS), h, b)
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem), rows,
             32 * _config.GENERIC_WARPS, 0, p[()])
-    if spec.dtype in TENSOR_CORE:
+    if dq_accum is not None and bwd_family(spec, block_mask, False, q, k, v, out, dout, dq, dk, dv) == "sm90":
+        if dq_accum.shape != (b, h, dq_accum.shape[2], hd) or dq_accum.shape[2] % SM90_BWD_ROWS:
+            raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {SM90_BWD_ROWS}-row "
+                                 f"tiles of {hd} columns")
+        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask)
+        _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), (_config.cdiv(sq, 16), h, b),
+                DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
+    elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
             return ("bwd.cu", template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br,
@@ -525,7 +584,7 @@ def kernel_names(smem_limit, hopper=False):
     """{source file: [template names]} of every kernel the config table can pick on a device
     with ``smem_limit`` bytes of shared memory per block (for warm-up and compile checks);
     ``hopper``: an sm_90 device, which also runs the Hopper kernels (``kernel_family``)."""
-    names = {"fwd.cu": [], "bwd.cu": [], "generic.cu": [], "fwd_sm90.cu": []}
+    names = {"fwd.cu": [], "bwd.cu": [], "generic.cu": [], "fwd_sm90.cu": [], "bwd_sm90.cu": []}
     variants = [_spec.CallSpec("float16", 0, window=w, softcap=cap, alibi=alibi, dropout=drop)
                 for w in (_spec.NO_WINDOW, _spec.CAUSAL, (1, 1))
                 for cap, alibi, drop in ((0.0, False, 0.0), (1.0, False, 0.0), (0.0, True, 0.0),
@@ -535,6 +594,10 @@ def kernel_names(smem_limit, hopper=False):
             template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant())
             for d in TENSOR_CORE for hd in sorted({sm90_headdim(b) for b in _config.HEAD_DIM_BUCKETS})
             for spec in variants if not spec.dropout]
+        names["bwd_sm90.cu"] = [
+            template_name("flash_bwd_sm90_kernel", ELEM[d], hd, spec.variant())
+            for d in TENSOR_CORE for hd in (64, 128) for spec in variants
+            if not spec.dropout and _sm90_bwd_instantiated(hd, spec)]
     for elem in ELEM.values():
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):

@@ -22,7 +22,7 @@ from cupyflash._launch import kernel_names  # noqa: E402
 pytestmark = pytest.mark.compile
 
 ARCHS = ("sm_80", "sm_90", "sm_86")
-FILES = ("fwd.cu", "bwd.cu", "generic.cu", "fwd_sm90.cu")
+FILES = ("fwd.cu", "bwd.cu", "generic.cu", "fwd_sm90.cu", "bwd_sm90.cu")
 # Instantiations per NVRTC program: small pieces keep every core busy to the end, and parsing
 # the source again for each piece costs little beside ptxas's work on the kernels.
 PIECE = 4

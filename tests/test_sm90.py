@@ -262,3 +262,40 @@ def test_what_the_hopper_forward_does_not_cover_runs_the_generic_kernels(what, m
         monkeypatch.setenv("CUPYFLASH_KERNELS", "generic")
     spec = _spec.CallSpec.of(q, causal=False, block_mask=mask, **kw)
     assert _launch.kernel_family(spec, mask, q, k, v) == "generic"
+
+
+# The Hopper backward (cuda/bwd_sm90.cu) covers head-dim buckets 64 and 128.
+SM90_BWD_CASES = [c for c in SM90_CASES if c[5] in (40, 64, 120, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", SM90_BWD_CASES,
+                         ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(sorted(c[6])))
+def test_sm90_backward_matches_the_reference(case, dtype, request):
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    import gpu_checks
+    b, sq, sk, h, hk, d, kw = case
+    kw = dict(kw)
+    checked = gpu_checks.Case(dtype, sq, sk, d, kw.get("causal", False), batch=b, nheads=h, nheads_k=hk)
+    q, k, v, dout = gpu_checks.make_inputs(checked, gpu_checks.seed_of(request))
+    variant = {}
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = variant["alibi_slopes"] = cupy.asarray(np.linspace(0.05, 0.5, h), cupy.float32)
+    for name in ("window_size", "softcap"):
+        if name in kw:
+            variant[name] = kw[name]
+    mask = elem = None
+    if kw.pop("block_mask", None):
+        kw["block_mask"] = mask = cf.masks.sliding_window(sq, sk, 1, block_size=128)
+        elem = cupy.asarray(mask.to_dense())
+    spec = _spec.CallSpec.of(q, causal=kw.get("causal", False), window_size=kw.get("window_size", (-1, -1)),
+                             softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi_slopes"),
+                             block_mask=mask)
+    assert _launch.bwd_family(spec, mask, False, q, k, v, dout) == "sm90"
+    scale = d ** -0.5
+    out, lse = cf.flash_attention(q, k, v, softmax_scale=scale, return_lse=True, **kw)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kw)
+    gpu_checks.check_backward(checked, dout, q, k, v, grads, scale, elem, out=out, lse=lse, **variant)
