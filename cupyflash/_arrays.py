@@ -91,10 +91,9 @@ def as_backend(arrays, names):
     kinds = []
     for a, n in zip(arrays, names):
         if _is_tracer(a):
-            raise TypeError(f"{n} is a JAX tracer ({type(a).__name__}): cupyflash runs eagerly "
-                            f"on concrete arrays and cannot be used under jax.jit, vmap or "
-                            f"other tracing transformations (cupyflash.jax.flash_attention "
-                            f"supports jax.grad outside jit)")
+            raise TypeError(f"{n} is a JAX tracer ({type(a).__name__}): cupyflash.flash_attention "
+                            f"runs eagerly on concrete arrays; under jax.jit, grad or vmap use "
+                            f"cupyflash.jax.flash_attention")
         kind = framework(a)
         if kind is None:
             raise TypeError(f"{n} must be a NumPy array, a CuPy array or an object with "
