@@ -57,6 +57,13 @@ Not supported: double backward, and gradients with respect to ``softmax_scale``,
 FlashAttention 2; the mods' arrays are read when the kernels run, they are not inputs of the
 graph). Dropout takes an explicit ``seed`` (PyTorch's generator is not drawn from): the
 backward regenerates the forward's mask from the saved seed and offset.
+
+Hugging Face transformers: ``hf_attention`` is an attention function of its
+``AttentionInterface`` (transformers' (batch, heads, seq, headdim) layout, GQA without
+``repeat_kv``, causal from the module, no attention mask: padding is refused), and
+``register_hf_attention()`` registers it with the mask function it needs; then a model built
+with ``attn_implementation="cupyfa"`` runs its attention here (tested with transformers 4.57
+and 5.23). Importing this module does not import transformers.
 """
 from typing import Optional
 
@@ -71,7 +78,7 @@ if not hasattr(torch.library, "custom_op"):   # pragma: no cover - depends on th
 
 from . import _validate, api, masks, mods
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "hf_attention", "register_hf_attention"]
 
 # --- Python objects passed to the operators by handle (see the module docstring) -------------
 
@@ -229,7 +236,7 @@ def _backward(ctx, dout, _dlse):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --- the public function, and the routes of cupyflash.flash_attention* under tracing --------
+# --- the public function ---------------------------------------------------------------------
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
@@ -275,6 +282,146 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     out, _ = torch.ops.cupyflash.flash_attention(q, k, v, *options)
     return out
 
+
+# --- Hugging Face transformers' attention interface -----------------------------------------
+
+HF_NAME = "cupyfa"      # the default name: see register_hf_attention for the names refused
+
+# Arguments of transformers' attention functions that change the result and that these
+# kernels do not take: refused where given (not None).
+_HF_REFUSED = {"cu_seq_lens_q": "packed (varlen) sequences", "cu_seq_lens_k": "packed "
+               "(varlen) sequences", "position_bias": "an additive position bias",
+               "s_aux": "attention sinks", "cache": "a paged KV cache"}
+
+
+def _hf_mask_function_registered(module):
+    """Whether transformers builds masks for ``module``'s attention implementation. For a
+    name without a mask function of its own it builds none, padding included, so a None
+    mask would not mean 'no padding'."""
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if name is None:         # a module used on its own: its caller builds the mask
+        return True
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    # transformers itself reads the class mapping, which Dynamo traces on Python 3.10 too.
+    return name in getattr(ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping",
+                           ALL_MASK_ATTENTION_FUNCTIONS)
+
+
+def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                 **kwargs):
+    """An attention function for Hugging Face transformers' ``AttentionInterface``:
+    ``flash_attention`` in place of the model's own (register it with
+    ``register_hf_attention``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model's attention layer. ``module.is_causal`` (True where absent) chooses causal
+        attention, unless transformers passes ``is_causal=`` itself (as SDPA's path does).
+    query : torch.Tensor, (batch, nheads, seqlen_q, headdim)
+    key, value : torch.Tensor, (batch, nheads_k, seqlen_k, headdim)
+        transformers' layout; read in place (no transpose copy). ``nheads_k`` may divide
+        ``nheads`` (GQA/MQA): the kernels share each KV head among its query heads (no
+        ``repeat_kv``).
+    attention_mask : None
+        Only None: a mask tensor (padding, a sliding window that binds, a 4D mask the caller
+        made) is refused with ValueError, since the kernels take no dense mask. transformers
+        passes None where SDPA could use ``is_causal`` alone: no padding, or padding only in
+        unfilled static-cache slots. As there, a causal ``seqlen_q > 1`` with
+        ``seqlen_k > seqlen_q`` and no mask is aligned top-left (the keys past ``seqlen_q``
+        are such slots), and ``seqlen_q == 1`` (decoding) sees every key.
+    scaling : float, optional
+        The softmax scale (``headdim ** -0.5`` if None).
+    dropout : float
+        Attention dropout; above 0 the seed is drawn from PyTorch's default CPU generator
+        (``torch.manual_seed`` repeats it) in eager mode; refused under ``torch.compile``,
+        where drawing it would break the graph.
+    **kwargs
+        ``softcap`` and ``sliding_window`` (a key ``j`` is seen from query ``i`` when
+        ``i - sliding_window < j``) are applied; ``is_causal`` as above;
+        ``cu_seq_lens_q/k``, ``position_bias``, ``s_aux`` and a paged ``cache`` are refused
+        where not None; others (``position_ids``, ``output_attentions``, ...) are ignored.
+
+    Returns
+    -------
+    (out, None) : out a torch.Tensor (batch, seqlen_q, nheads, headdim), query's dtype, as
+        transformers expects; no attention weights.
+    """
+    for name, what in _HF_REFUSED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"cupyflash.torch.hf_attention: {name} is given, but the kernels "
+                             f"take no {what}; use another attention implementation")
+    if attention_mask is not None:
+        raise ValueError(
+            f"cupyflash.torch.hf_attention takes no attention_mask, got a "
+            f"{tuple(attention_mask.shape)} {type(attention_mask).__name__}: padding, a "
+            f"binding sliding window or a custom mask cannot be passed to the kernels. Run "
+            f"unpadded batches (no attention_mask, or one without padding outside "
+            f"torch.compile; transformers 4 passes a mask whenever it is compiled), or another "
+            f"attention implementation")
+    if not _hf_mask_function_registered(module):
+        raise ValueError(
+            f"cupyflash.torch.hf_attention: transformers builds no mask for attention "
+            f"implementation {module.config._attn_implementation!r}, so padding would be "
+            f"ignored silently; register it with cupyflash.torch.register_hf_attention (or "
+            f"register transformers.masking_utils.sdpa_mask under the same name in "
+            f"AttentionMaskInterface)")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    sq, sk = query.shape[2], key.shape[2]
+    # As SDPA's path: one query row (decoding) sees every key.
+    # bool(): under dynamic shapes sq > 1 is symbolic; the kernels take a Python bool.
+    causal = bool(is_causal and sq > 1)
+    if causal and sk != sq:
+        if sk < sq:
+            raise ValueError(f"cupyflash.torch.hf_attention: causal attention without a mask "
+                             f"and with fewer keys ({sk}) than queries ({sq}) is not supported")
+        # transformers leaves the mask out here only when the keys past seqlen_q are empty
+        # static-cache slots (SDPA's is_causal aligns top-left); dropping them gives the
+        # square causal case, which the kernels' bottom-right alignment computes alike.
+        key, value = key[:, :, :sq], value[:, :, :sq]
+    window = kwargs.get("sliding_window")
+    window_size = (-1, -1) if window is None else (window - 1, 0 if causal else window - 1)
+    softcap = kwargs.get("softcap")
+    seed = None
+    if dropout > 0:
+        if torch.compiler.is_compiling():
+            raise ValueError("cupyflash.torch.hf_attention: attention dropout under "
+                             "torch.compile is not supported (its seed is drawn on the host); "
+                             "set the model's attention_dropout to 0 or call model.eval()")
+        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    out = flash_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                          causal=causal, softmax_scale=scaling, window_size=window_size,
+                          softcap=0.0 if softcap is None else softcap, dropout_p=dropout,
+                          seed=seed)
+    return out, None
+
+
+def register_hf_attention(name=HF_NAME):
+    """Register ``hf_attention`` with Hugging Face transformers (4.53 and later, which have
+    ``transformers.masking_utils``; tested with 4.57 and 5.23) as attention implementation
+    ``name``, and transformers' SDPA mask function under the same
+    name, so that the model passes None where SDPA would use ``is_causal`` alone and a mask
+    (refused by ``hf_attention``) where there is padding. Then pick it with
+    ``attn_implementation=name`` (``from_pretrained``, a config) or
+    ``model.set_attn_implementation(name)``. Returns ``name``.
+
+    transformers takes a name containing "flash" for a flash-attn kernel it loads itself,
+    and one of the form "org/repo" for a kernel from the Hub: both are refused here."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {type(name).__name__} {name!r}")
+    if "flash" in name or "/" in name:
+        raise ValueError(f"name must contain neither 'flash' nor '/', which transformers "
+                         f"takes for a kernel of its own or of the Hub; got {name!r}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(name, hf_attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+# --- the routes of cupyflash.flash_attention* under tracing ----------------------------------
 
 def traced_forward(q, k, v, *, return_lse, **options):
     """``cupyflash.flash_attention`` on tensors under ``torch.compile`` / ``torch.export``
