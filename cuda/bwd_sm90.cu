@@ -10,8 +10,9 @@
 //   memory; P^T = exp2(S^T - lse) and dS^T = P^T (dP^T - D) through the shared pieces (mask,
 //   score modifier); dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers; dS^T to
 //   shared memory, and dQ (64 queries x head dim) += dS K over the warpgroup's keys by wgmma
-//   with both operands transposed, added into the fp32 buffer (the warpgroup's accumulators
-//   have the layout of its tiles, so each warp adds 128 contiguous bytes per register).
+//   with both operands transposed, staged in shared memory in the fp32 buffer's tile order
+//   (the accumulators have that layout) and added into the buffer by one bulk reduce-add of
+//   the copy engine (the 64 rows are contiguous there) instead of 64 atomics per thread.
 // dK and dV leave through the warpgroup's K and V tiles and bulk tensor stores.
 // HeadDim is the head-dim bucket, 64 or 128 (_launch.bwd_family): the copy engine fills the
 // columns past the real head dim with zeros, and the stores clip them.
@@ -43,7 +44,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     const BwdParams& p = tp.base;
 
     // K and V (two warpgroups x Halves sub-tiles of 64 rows), Stages buffers of Q and of dO,
-    // then each warpgroup's dS^T (64 keys x 64 queries); 1024-byte aligned.
+    // each warpgroup's dS^T (64 keys x 64 queries), then its fp32 dQ stage (64 x HeadDim in
+    // the buffer's tile order); 1024-byte aligned.
     extern __shared__ unsigned char smem_raw[];
     __shared__ unsigned long long kv_full, qd_full[Stages], qd_empty[Stages];
     u16* sK = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
@@ -51,6 +53,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sQ = sV + 2 * Halves * Sub;
     u16* sdO = sQ + Stages * Halves * Sub;
     u16* sdSt = sdO + Stages * Halves * Sub;
+    float* sdQ = reinterpret_cast<float*>(sdSt + 2 * Sub);
 
     // Causal: the first key blocks are seen by the most queries.
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
@@ -110,6 +113,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     const u16* myK = sK + wg * Halves * Sub;
     const u16* myV = sV + wg * Halves * Sub;
     u16* mydSt = sdSt + wg * Sub;
+    float* mydQ = sdQ + wg * 64 * HeadDim;
+    const bool store_thread = threadIdx.x % 128 == 0;   // issues its warpgroup's bulk operations
     ScoreMod<V, BwdParams> mod(p);
 
     float dk[1][DT][4], dv[1][DT][4];
@@ -193,7 +198,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         // dS^T = P^T (dP^T - D), as A fragments and, for dQ, into the warpgroup's dS^T tile
         // (128-byte swizzle, keys as rows: the transposed A operand of dS K).
         u32 dsa[Br / 16][4];
-        named_bar_sync(4 + wg, 128);   // the last block's dQ products have read the tile
+        if (store_thread) bulk_wait_read<0>();   // the last block's dQ add has read its stage
+        named_bar_sync(4 + wg, 128);   // ... and the last block's dQ products have read dS^T
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             float ds[4];
@@ -221,13 +227,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
                                sw128_desc(bQ + c * Sub, 2048 * kk), true);
             }
         wgmma_commit();
-        // dQ += dS K over the warpgroup's 64 keys, 64 columns at a time, into the buffer.
-        float* gdq = p.dq_accum + ((static_cast<index_t>(seq.b) * p.nheads + h) * (p.dq_accum_rows / 16) + m0 / 16 + wq)
-                                  * (p.dq_accum_cols / 8) * SM90_DQ_TILE + lane;
+        // dQ += dS K over the warpgroup's 64 keys, 64 columns at a time, into the stage: tile
+        // (warp's 16 rows, n8 column tile) at (wq * DT + tile) * 128 floats, register e of lane
+        // L at e * 32 + L; then the whole stage into the buffer's tiles of rows m0 .. m0 + 63.
 #pragma unroll
         for (int c = 0; c < Halves; ++c) {
             float dq[32];
-            wgmma_fence();   // dq's registers may be the last chunk's, just read by the adds
+            wgmma_fence();   // dq's registers may be the last chunk's, just stored
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
                 wgmma_ss_tt<Elem>(dq, sw128_desc(mydSt, 2048 * kk), sw128_desc(myK + c * Sub, 2048 * kk), kk > 0);
@@ -237,7 +243,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) atomicAdd(gdq + (8 * c + j) * SM90_DQ_TILE + e * 32, dq[4 * j + e]);
+                for (int e = 0; e < 4; ++e) mydQ[(wq * DT + 8 * c + j) * SM90_DQ_TILE + e * 32 + lane] = dq[4 * j + e];
+        }
+        fence_proxy_async();
+        named_bar_sync(4 + wg, 128);
+        if (store_thread) {
+            float* gdq = p.dq_accum + ((static_cast<index_t>(seq.b) * p.nheads + h) * (p.dq_accum_rows / 16) + m0 / 16)
+                                      * (p.dq_accum_cols / 8) * SM90_DQ_TILE;
+            bulk_reduce_add_f32(gdq, mydQ, 64 * HeadDim * 4);
+            bulk_commit();
         }
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));

@@ -90,6 +90,13 @@ __device__ __forceinline__ void tma_store_4d(const TmaDesc& map, int c0, int c1,
                  "r"(smem_addr(src))
                  : "memory");
 }
+// Adds `bytes` (a multiple of 16) of fp32 shared memory at src into global memory at dst
+// (16-byte aligned), element by element, as one bulk operation of the copy engine.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(reinterpret_cast<unsigned long long>(dst)), "r"(smem_addr(src)), "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Waits until at most N of this thread's bulk groups are still reading shared memory.
 template <int N>

@@ -395,18 +395,11 @@ def bwd_family(spec, block_mask, deterministic, *arrays):
         return "generic"
     if (cupy.cuda.Device().compute_capability == "90" and spec.dtype in TENSOR_CORE
             and spec.headdim in (64, 128) and not (deterministic or spec.dropout or spec.score_mod)
-            and _sm90_bwd_instantiated(spec.headdim, spec)
             and (block_mask is None or (block_mask.block_q % SM90_BWD_ROWS == 0
                                         and block_mask.block_k % SM90_BWD_KEYS == 0))
             and _vec_ok(*arrays)):
         return "sm90"
     return "generic"
-
-
-def _sm90_bwd_instantiated(hd, spec):
-    """Causal with ALiBi at head dim 128 runs the generic backward: ptxas spilled 8 bytes of
-    that Hopper instantiation (NVRTC 13.5)."""
-    return not (hd == 128 and spec.causal and spec.alibi)
 
 
 def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask):
@@ -422,8 +415,10 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask):
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
         tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
                               (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
-    # K, V (128 rows), two stages of Q and dO (64 rows), two 64 x 64 dS^T tiles, 1 KB to align.
-    smem = (2 * SM90_BWD_KEYS + 4 * SM90_BWD_ROWS) * hd * 2 + 2 * 64 * 64 * 2 + 1024
+    # K, V (128 rows), two stages of Q and dO (64 rows), two 64 x 64 dS^T tiles and two fp32
+    # dQ stages (64 rows), 1 KB to align.
+    smem = ((2 * SM90_BWD_KEYS + 4 * SM90_BWD_ROWS) * hd * 2 + 2 * 64 * 64 * 2
+            + 2 * SM90_BWD_ROWS * hd * 4 + 1024)
     name = template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant())
     _launch("bwd_sm90.cu", name, grid, SM90_FWD_THREADS, smem, tp[()], spec.user_mods)
 
@@ -596,8 +591,7 @@ def kernel_names(smem_limit, hopper=False):
             for spec in variants if not spec.dropout]
         names["bwd_sm90.cu"] = [
             template_name("flash_bwd_sm90_kernel", ELEM[d], hd, spec.variant())
-            for d in TENSOR_CORE for hd in (64, 128) for spec in variants
-            if not spec.dropout and _sm90_bwd_instantiated(hd, spec)]
+            for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout]
     for elem in ELEM.values():
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):
