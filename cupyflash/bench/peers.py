@@ -78,12 +78,13 @@ class Ours(Runner):
         return self.forward(self.sets[0])[0].astype(cp.float32)
 
     def kernels(self, pass_):
-        """Which kernels ran (``_launch.kernel_family``): the forward's family; the backward
-        runs the generic kernels everywhere so far."""
-        q, k, v = self.sets[0][:3]
+        """Which kernels ran: the forward's family (``_launch.kernel_family``) and the
+        backward's (``_launch.bwd_family``, atomic dQ as these calls run it)."""
+        q, k, v, dout = self.sets[0][:4]
         spec = _spec.CallSpec.of(q, causal=self.case.causal, block_mask=self.mask)
         fwd = _launch.kernel_family(spec, self.mask, q, k, v)
-        return {"fwd": fwd, "bwd": "generic"}.get(pass_, f"{fwd} fwd, generic bwd")
+        bwd = _launch.bwd_family(spec, self.mask, False, q, k, v, dout)
+        return {"fwd": fwd, "bwd": bwd}.get(pass_, fwd if fwd == bwd else f"{fwd} fwd, {bwd} bwd")
 
 
 class Naive(Runner):
