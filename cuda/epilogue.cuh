@@ -18,12 +18,13 @@ __device__ __forceinline__ void epilogue_begin() {
     __syncthreads();
 }
 
-// acc[M][N][4]: m16 x n8 fragments whose first row is row0 and first column col0, element
-// pairs (0, 1) on row 16 m + g and (2, 3) on row 16 m + g + 8; each row is multiplied by
-// factor(m, half) (half 0 or 1) on its way to the stage, then done(m, half, row) runs.
-template <typename Elem, int LD, int M, int N, typename Factor, typename Done>
-__device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const float (&acc)[M][N][4],
-                                           int lane, Factor&& factor, Done&& done) {
+// acc[M][N][4]: m16 x n8 fragments whose first row is row0, element pairs (0, 1) on row
+// 16 m + g and (2, 3) on row 16 m + g + 8, column 8 n + 2 t; each row is multiplied by
+// factor(m, half) (half 0 or 1) on its way to the stage, pair (r, c) landing at element
+// offset(r, c), then done(m, half, row) runs.
+template <typename Elem, int M, int N, typename Offset, typename Factor, typename Done>
+__device__ __forceinline__ void stage_pairs(u16* stage, int row0, const float (&acc)[M][N][4], int lane,
+                                            Offset&& offset, Factor&& factor, Done&& done) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -33,10 +34,17 @@ __device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const
             const float f = factor(m, hf);
 #pragma unroll
             for (int n = 0; n < N; ++n)
-                *reinterpret_cast<u32*>(stage + r * LD + col0 + 8 * n + 2 * t) =
+                *reinterpret_cast<u32*>(stage + offset(r, 8 * n + 2 * t)) =
                     pack2<Elem>(acc[m][n][2 * hf] * f, acc[m][n][2 * hf + 1] * f);
             done(m, hf, r);
         }
+}
+
+// stage_pairs into rows of LD elements, from column col0.
+template <typename Elem, int LD, int M, int N, typename Factor, typename Done>
+__device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const float (&acc)[M][N][4],
+                                           int lane, Factor&& factor, Done&& done) {
+    stage_pairs<Elem>(stage, row0, acc, lane, [=](int r, int c) { return r * LD + col0 + c; }, factor, done);
 }
 
 template <typename Elem, int LD, int M, int N>
@@ -79,23 +87,12 @@ __device__ __forceinline__ int swizzled_offset(int r, int c) {
     return (c / 64 * Rows + r) * 64 + ((c % 64 / 8) ^ (r % 8)) * 8 + c % 8;
 }
 
-// acc[M][N][4] (rows from wrow, mma accumulator layout) times factor(m, half) per row, as
-// 16-bit pairs into a swizzled stage of Rows rows (swizzled_offset).
+// stage_pairs into a swizzled stage of Rows rows (swizzled_offset), rows from wrow.
 template <typename Elem, int Rows, int M, int N, typename Factor>
 __device__ __forceinline__ void stage_swizzled(u16* stage, int wrow, int lane, const float (&acc)[M][N][4],
                                                Factor&& factor) {
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int r = wrow + 16 * m + g + 8 * hf;
-            const float f = factor(m, hf);
-#pragma unroll
-            for (int n = 0; n < N; ++n)
-                *reinterpret_cast<u32*>(stage + swizzled_offset<Rows>(r, 8 * n + 2 * t)) =
-                    pack2<Elem>(acc[m][n][2 * hf] * f, acc[m][n][2 * hf + 1] * f);
-        }
+    stage_pairs<Elem>(stage, wrow, acc, lane, [](int r, int c) { return swizzled_offset<Rows>(r, c); }, factor,
+                      [](int, int, int) {});
 }
 
 // The forward for a kernel that stores O with the copy engine (the Hopper forward): O = acc /
