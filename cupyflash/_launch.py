@@ -364,10 +364,7 @@ def kernel_family(spec, block_mask, *arrays):
     band, softcap, ALiBi and user mods, and block masks whose blocks its tiles divide
     (SM90_FWD_ROWS x sm90_fwd_keys); the rest (dropout: slower there so far) runs the generic
     kernels."""
-    import cupy
-    if os.environ.get("CUPYFLASH_KERNELS", "auto") == "generic":
-        return "generic"
-    if (cupy.cuda.Device().compute_capability == "90" and spec.dtype in TENSOR_CORE
+    if (_hopper_allowed() and spec.dtype in TENSOR_CORE
             and not spec.dropout
             and (block_mask is None or (block_mask.block_q % SM90_FWD_ROWS == 0 and block_mask.block_k
                                         % sm90_fwd_keys(sm90_headdim(spec.headdim)) == 0))
@@ -384,17 +381,21 @@ BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base"]
 SM90_BWD_KEYS, SM90_BWD_ROWS = 128, 64
 
 
-def bwd_family(spec, block_mask, deterministic, *arrays):
-    """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward, else
+def _hopper_allowed():
+    """The current device is sm_90 and CUPYFLASH_KERNELS does not force the generic kernels."""
+    import cupy
+    return (os.environ.get("CUPYFLASH_KERNELS", "auto") != "generic"
+            and cupy.cuda.Device().compute_capability == "90")
+
+
+def bwd_family(spec, block_mask, *arrays):
+    """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward with dQ
+    added atomically (the caller runs deterministic=True on the generic kernels), else
     "generic". It covers fp16/bf16 with 16-byte aligned rows, head-dim buckets 64 and 128,
     every band, softcap, ALiBi and user mask_mods, block masks whose blocks its tiles divide
-    (64 queries x 128 keys), with dQ added atomically; deterministic=True, dropout and user
-    score_mods run the generic kernels."""
-    import cupy
-    if os.environ.get("CUPYFLASH_KERNELS", "auto") == "generic":
-        return "generic"
-    if (cupy.cuda.Device().compute_capability == "90" and spec.dtype in TENSOR_CORE
-            and spec.headdim in (64, 128) and not (deterministic or spec.dropout or spec.score_mod)
+    (64 queries x 128 keys); dropout and user score_mods run the generic kernels."""
+    if (_hopper_allowed() and spec.dtype in TENSOR_CORE
+            and spec.headdim in (64, 128) and not (spec.dropout or spec.score_mod)
             and (block_mask is None or (block_mask.block_q % SM90_BWD_ROWS == 0
                                         and block_mask.block_k % SM90_BWD_KEYS == 0))
             and _vec_ok(*arrays)):
@@ -511,7 +512,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     rows = (_config.cdiv(sq, _config.GENERIC_WARPS), h, b)
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem), rows,
             32 * _config.GENERIC_WARPS, 0, p[()])
-    if dq_accum is not None and bwd_family(spec, block_mask, False, q, k, v, out, dout, dq, dk, dv) == "sm90":
+    if dq_accum is not None and bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv) == "sm90":
         if dq_accum.shape != (b, h, dq_accum.shape[2], hd) or dq_accum.shape[2] % SM90_BWD_ROWS:
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {SM90_BWD_ROWS}-row "
                                  f"tiles of {hd} columns")

@@ -294,7 +294,7 @@ def test_sm90_backward_matches_the_reference(case, dtype, request):
     spec = _spec.CallSpec.of(q, causal=kw.get("causal", False), window_size=kw.get("window_size", (-1, -1)),
                              softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi_slopes"),
                              block_mask=mask)
-    assert _launch.bwd_family(spec, mask, False, q, k, v, dout) == "sm90"
+    assert _launch.bwd_family(spec, mask, q, k, v, dout) == "sm90"
     scale = d ** -0.5
     out, lse = cf.flash_attention(q, k, v, softmax_scale=scale, return_lse=True, **kw)
     grads = cf.flash_attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kw)

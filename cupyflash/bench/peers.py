@@ -83,7 +83,7 @@ class Ours(Runner):
         q, k, v, dout = self.sets[0][:4]
         spec = _spec.CallSpec.of(q, causal=self.case.causal, block_mask=self.mask)
         fwd = _launch.kernel_family(spec, self.mask, q, k, v)
-        bwd = _launch.bwd_family(spec, self.mask, False, q, k, v, dout)
+        bwd = _launch.bwd_family(spec, self.mask, q, k, v, dout)
         return {"fwd": fwd, "bwd": bwd}.get(pass_, fwd if fwd == bwd else f"{fwd} fwd, {bwd} bwd")
 
 
