@@ -50,6 +50,15 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned phas
         : "memory");
 }
 
+// ---- Shared-memory stores by 32-bit shared address (smem_addr): one register per address
+// where a generic pointer takes two, for kernels at the register limit.
+__device__ __forceinline__ void st_shared(u32 addr, u32 v) {
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared(u32 addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+
 // ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all, some of which only
 // arrive. Two warpgroups take turns with them.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
@@ -133,8 +142,13 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // The accumulator registers of m64nNk16 (N / 2 floats per thread), as asm operand lists.
+#define CUPYFLASH_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUPYFLASH_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define CUPYFLASH_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define CUPYFLASH_WGMMA_OUT16 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15])
 #define CUPYFLASH_WGMMA_OUT32 \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
@@ -209,27 +223,38 @@ __device__ __forceinline__ void wgmma_ss<fp16, 64>(float (&d)[64], unsigned long
                                                    bool accumulate) {
     CUPYFLASH_WGMMA_SS(128, "f16", CUPYFLASH_WGMMA_D64, CUPYFLASH_WGMMA_OUT64, "64", "65", "66");
 }
-// d[32] (+)= A B with both operands MN-major in shared memory (128-byte swizzle, 16 K-rows =
-// 2048 bytes): A (64 x 16) stored as rows of K holding the 64 M-elements (a transposed tile:
-// dS^T for dQ = dS K), B (16 x 64) as for wgmma_rs.
-template <typename Elem>
-__device__ __forceinline__ void wgmma_ss_tt(float (&d)[32], unsigned long long a, unsigned long long b,
+// d[N / 2] (+)= A B with both operands MN-major in shared memory (128-byte swizzle, 16 K-rows =
+// 2048 bytes), N = 32 or 64 by the size of d: A (64 x 16) stored as rows of K holding the 64
+// M-elements (a transposed tile: dS^T for dQ = dS K), B (16 x N) as for wgmma_rs (N = 32: half
+// a row, the descriptor's start 64 bytes in for the second half).
+template <typename Elem, int D>
+__device__ __forceinline__ void wgmma_ss_tt(float (&d)[D], unsigned long long a, unsigned long long b,
                                             bool accumulate);
-#define CUPYFLASH_WGMMA_SS_TT(TYPE)                                                                              \
-    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %34, 0;\n\t"                                      \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUPYFLASH_WGMMA_D32            \
-                 ", %32, %33, acc, 1, 1, 1, 1;\n\t}"                                                             \
-                 : CUPYFLASH_WGMMA_OUT32                                                                         \
+#define CUPYFLASH_WGMMA_SS_TT(N, TYPE, D, OUT, A, B, ACC)                                                       \
+    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %" ACC ", 0;\n\t"                                  \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D ", %" A ", %" B         \
+                 ", acc, 1, 1, 1, 1;\n\t}"                                                                     \
+                 : OUT                                                                                           \
                  : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
 template <>
-__device__ __forceinline__ void wgmma_ss_tt<bf16>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                  bool accumulate) {
-    CUPYFLASH_WGMMA_SS_TT("bf16");
+__device__ __forceinline__ void wgmma_ss_tt<bf16, 16>(float (&d)[16], unsigned long long a, unsigned long long b,
+                                                      bool accumulate) {
+    CUPYFLASH_WGMMA_SS_TT(32, "bf16", CUPYFLASH_WGMMA_D16, CUPYFLASH_WGMMA_OUT16, "16", "17", "18");
 }
 template <>
-__device__ __forceinline__ void wgmma_ss_tt<fp16>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                  bool accumulate) {
-    CUPYFLASH_WGMMA_SS_TT("f16");
+__device__ __forceinline__ void wgmma_ss_tt<fp16, 16>(float (&d)[16], unsigned long long a, unsigned long long b,
+                                                      bool accumulate) {
+    CUPYFLASH_WGMMA_SS_TT(32, "f16", CUPYFLASH_WGMMA_D16, CUPYFLASH_WGMMA_OUT16, "16", "17", "18");
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_tt<bf16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                      bool accumulate) {
+    CUPYFLASH_WGMMA_SS_TT(64, "bf16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_tt<fp16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                      bool accumulate) {
+    CUPYFLASH_WGMMA_SS_TT(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
 }
 #undef CUPYFLASH_WGMMA_SS_TT
 
@@ -245,7 +270,9 @@ __device__ __forceinline__ void wgmma_rs<fp16>(float (&d)[32], const u32 (&a)[4]
 }
 #undef CUPYFLASH_WGMMA_SS
 #undef CUPYFLASH_WGMMA_RS
+#undef CUPYFLASH_WGMMA_D16
 #undef CUPYFLASH_WGMMA_D32
 #undef CUPYFLASH_WGMMA_D64
+#undef CUPYFLASH_WGMMA_OUT16
 #undef CUPYFLASH_WGMMA_OUT32
 #undef CUPYFLASH_WGMMA_OUT64

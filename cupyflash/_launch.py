@@ -416,10 +416,10 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask):
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
         tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
                               (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
-    # K, V (128 rows), two stages of Q and dO (64 rows), two 64 x 64 dS^T tiles and two fp32
-    # dQ stages (64 rows), 1 KB to align.
-    smem = ((2 * SM90_BWD_KEYS + 4 * SM90_BWD_ROWS) * hd * 2 + 2 * 64 * 64 * 2
-            + 2 * SM90_BWD_ROWS * hd * 4 + 1024)
+    # K, V (128 rows), two stages of Q and dO (64 rows), two steps' 128 x 64 dS^T tiles and
+    # eight warps' fp32 dQ stages (16 rows x hd / 2), 1 KB to align.
+    smem = ((2 * SM90_BWD_KEYS + 4 * SM90_BWD_ROWS) * hd * 2 + 2 * SM90_BWD_KEYS * 64 * 2
+            + 8 * 16 * hd // 2 * 4 + 1024)
     name = template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant())
     _launch("bwd_sm90.cu", name, grid, SM90_FWD_THREADS, smem, tp[()], spec.user_mods)
 
