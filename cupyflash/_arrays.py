@@ -14,8 +14,12 @@ Rules (README "Using it from PyTorch / JAX / CuPy / NumPy"):
   of the device when ``q`` is a PyTorch tensor, otherwise CuPy's current stream (JAX has no
   user-visible stream; JAX orders its own work against ours through the DLPack ``stream``
   argument). Nothing here synchronizes the host.
+- Memory: a PyTorch caller's results and scratch come from PyTorch's allocator; other
+  callers' from CuPy's, except scratch inside a CUDA graph capture (``scratch``). Host work
+  a capture cannot hold is refused before it runs (``refuse_in_capture``).
 """
 import contextlib
+import functools
 import sys
 from typing import NamedTuple, Optional
 
@@ -205,8 +209,9 @@ def launch_context(caller):
     Host calls: nothing. Device calls: ``cupy.cuda.Device(caller.device)``; for PyTorch
     callers, PyTorch's current stream of that device is also made CuPy's current stream,
     so that our kernels, allocations and DLPack exchanges are ordered with the caller's
-    work. CuPy, JAX and other callers keep CuPy's current stream. Yields ``(stream, outer)``
-    when it changed CuPy's current stream (``outer``: the one it replaced), else None.
+    work, and PyTorch's allocator CuPy's (``_TorchMalloc``). CuPy, JAX and other callers
+    keep CuPy's current stream and allocator. Yields ``(stream, outer)`` when it changed
+    CuPy's current stream (``outer``: the one it replaced), else None.
     """
     if caller.device is None:
         yield None
@@ -218,8 +223,61 @@ def launch_context(caller):
             return
         outer = cp.cuda.get_current_stream()
         stream = _torch_stream(cp, caller.device)
-        with stream:
+        with stream, cp.cuda.using_allocator(_TorchMalloc(cp, caller.device)):
             yield _Launch(stream, outer)
+
+
+class _TorchMalloc:
+    """A CuPy allocator drawing from PyTorch's caching allocator on PyTorch's current stream:
+    results and scratch of a PyTorch caller are PyTorch's memory, counted and reused by it,
+    and inside ``torch.cuda.graph`` they come from the graph's private pool, so a replay finds
+    them where the capture put them."""
+
+    def __init__(self, cp, device):
+        self.cp, self.device = cp, device
+
+    def __call__(self, size):
+        block = sys.modules["torch"].empty(size, dtype=sys.modules["torch"].uint8, device=self.device)
+        memory = self.cp.cuda.UnownedMemory(block.data_ptr(), size, block)
+        return self.cp.cuda.MemoryPointer(memory, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_pool(device_id):
+    """The device's memory pool for ``scratch`` inside CuPy captures (one CuPy MemoryPool)."""
+    return _cupy().cuda.MemoryPool()
+
+
+def capturing(cp):
+    """Whether CuPy's current stream is being captured into a CUDA graph."""
+    return cp.cuda.runtime.streamIsCapturing(cp.cuda.get_current_stream().ptr) != 0
+
+
+def refuse_in_capture(cp, what, fix="make the same call once before capturing (same shapes, "
+                                        "dtypes, options and block_mask)"):
+    """Raise RuntimeError when host work (a compile, a copy from the host: ``what``) would run
+    inside a CUDA graph capture, where it would invalidate the capture or be left out of
+    the graph."""
+    if capturing(cp):
+        raise RuntimeError(f"{what}, which cannot run inside a CUDA graph capture: {fix}")
+
+
+@contextlib.contextmanager
+def scratch(cp):
+    """Allocations of a call's own buffers (not its results), released before it returns.
+
+    Inside a CUDA graph capture of a CuPy (not PyTorch) caller they come from a memory pool of
+    their own (``_capture_pool``), which no array outside a capture is given: a replay writes
+    them where the capture put them. From CuPy's pool, a buffer released during the capture
+    could be handed to an array that every replay would then overwrite. The graphs captured
+    in a process share that pool, one call's scratch reusing another's, as the calls of one
+    graph do: replay graphs one after another on one stream, not side by side. (A PyTorch
+    caller's buffers are PyTorch's, from the graph's own pool: ``_TorchMalloc``.)"""
+    if not capturing(cp) or isinstance(cp.cuda.get_allocator(), _TorchMalloc):
+        yield
+        return
+    with cp.cuda.using_allocator(_capture_pool(cp.cuda.Device().id).malloc):
+        yield
 
 
 def to_caller(result, caller):

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from . import _compile, _config, _spec, _tma
+from . import _arrays, _compile, _config, _spec, _tma
 from ._compile import get_kernel, template_name
 
 
@@ -134,6 +134,8 @@ def _kernel(source, name, device_id, smem, arch=None):
     must opt in), not on every launch. Keyed by the source text itself, as _compile's modules
     are: another text under the same file name is another kernel. ``arch``: compiled for that
     target (an arch-specific one, _compile.ARCH_SPECIFIC), not the device's own."""
+    import cupy
+    _arrays.refuse_in_capture(cupy, f"the first call of {name} compiles and loads it")
     if arch:
         kernel = _compile.get_arch_kernel(device_id, source, name, arch)
         if smem > 48 * 1024:

@@ -298,6 +298,11 @@ def _mask_of(mask_mod, block_mask, q, k, xp):
     over this call's batch and heads, where the call runs."""
     if mask_mod is None:
         return block_mask
+    if xp is not np:
+        _arrays.refuse_in_capture(
+            xp, "a mask_mod without block_mask is classified into blocks at every call (with a "
+                "copy to the host)", "build its BlockMask once with BlockMask.from_mask_mod "
+                                     "before capturing and pass block_mask=")
     from . import masks
     return masks.classify_mask_mod(mask_mod, q.shape[1], k.shape[1], batch=q.shape[0],
                                    nheads=q.shape[2], on_gpu=xp is not np)
@@ -342,8 +347,9 @@ def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset, u
     b, sq, h, _ = q.shape
     out = cp.empty(q.shape, q.dtype)
     lse = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
-    _launch.forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, (seed, offset),
-                    [a for _, a in user])
+    with _arrays.scratch(cp):
+        _launch.forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, (seed, offset),
+                        [a for _, a in user])
     return out, lse
 
 
@@ -356,17 +362,19 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
     dq = cp.empty(q.shape, q.dtype)
     dk = cp.empty(k.shape, k.dtype)
     dv = cp.empty(v.shape, v.dtype)
-    # The kernels read lse in its own dtype: a float32 lse given with float64 inputs is widened.
-    lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
-    stats = cp.empty((2, b, h, sq), _config.lse_dtype(q.dtype))   # D and lse in log2 units
-    use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
-    dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
     wanted = score_mod.grad_arrays if score_mod is not None else ()
     gdtype = cp.float64 if q.dtype == cp.float64 else cp.float32   # the kernels' atomics
     grads = {slot: cp.zeros(a.shape, gdtype) for slot, (name, a) in enumerate(user)
              if name in wanted}
-    _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
-                     block_mask, alibi_slopes, (seed, offset), [a for _, a in user], grads)
+    with _arrays.scratch(cp):
+        # The kernels read lse in its own dtype: a float32 lse given with float64 inputs is
+        # widened.
+        lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
+        stats = cp.empty((2, b, h, sq), _config.lse_dtype(q.dtype))   # D and lse in log2 units
+        use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
+        dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
+        _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
+                         block_mask, alibi_slopes, (seed, offset), [a for _, a in user], grads)
     if grads:
         return dq, dk, dv, {user[slot][0]: g for slot, g in grads.items()}
     return dq, dk, dv

@@ -229,6 +229,7 @@ class BlockMask(mods.Live):
          self.q_indices, self.q_counts, self.q_partial) = (_read_only(a) for a in lists)
         self._host_lists = {(block_q, block_k, self.causal): lists}
         self._device_lists = collections.OrderedDict()
+        self._captured_lists = {}
 
     @classmethod
     def from_dense(cls, block_mask_bool, block_size=128, *, seqlen_q, seqlen_k, causal=False):
@@ -384,7 +385,9 @@ class BlockMask(mods.Live):
         memory out nor reuse it before those calls are done. The
         ``DEVICE_LISTS_KEPT`` most recently used device copies are kept (a caller that cycles
         through new streams would otherwise grow the cache without end); dropping one is safe
-        for the same reason: its memory goes back to the pool on its own stream.
+        for the same reason: its memory goes back to the pool on its own stream. Inside a CUDA
+        graph capture nothing is copied: the lists of an earlier call on the device serve
+        (RuntimeError where there is none) and are kept with the mask for its life.
         """
         for name, t, block in (("tile_q", tile_q, self.block_q), ("tile_k", tile_k,
                                                                    self.block_k)):
@@ -400,12 +403,32 @@ class BlockMask(mods.Live):
         if xp.__name__.split(".")[0] == "numpy":
             return host
         key = (tile_q, tile_k, causal, xp.cuda.Device().id, xp.cuda.get_current_stream().ptr)
+        from . import _arrays
+        if _arrays.capturing(xp):
+            return self._lists_for_capture(key, xp)
         lists = self._device_lists.pop(key, None)
         if lists is None:
             lists = TileLists(*(xp.ascontiguousarray(xp.asarray(a)) for a in host))
             if len(self._device_lists) >= DEVICE_LISTS_KEPT:
                 self._device_lists.popitem(last=False)
         self._device_lists[key] = lists          # most recently used last
+        return lists
+
+    def _lists_for_capture(self, key, xp):
+        """Device lists inside a CUDA graph capture, without a copy: those of an earlier call
+        on any stream of the device (a capture runs on a stream of its own), kept with the
+        mask from then on, out of the recently-used eviction, since the graph reads them at
+        every replay."""
+        lists = self._captured_lists.get(key[:4])
+        if lists is None:
+            lists = next((lst for k, lst in reversed(self._device_lists.items())
+                          if k[:4] == key[:4]), None)
+        if lists is None:
+            from . import _arrays
+            _arrays.refuse_in_capture(xp, f"this block_mask's lists for {key[0]} x {key[1]} "
+                                          f"tiles are copied to the device at the first call "
+                                          f"that reads them")
+        self._captured_lists[key[:4]] = lists
         return lists
 
 

@@ -736,14 +736,14 @@ def _readme_blocks():
 # The README's examples of the variant keywords and of the user mods run on NumPy arrays, like
 # its NumPy example; the user mods' CuPy example on the GPU.
 HOST_EXAMPLES = ("numpy", "window_size", "softcap", "alibi_slopes", "dropout", "user_mods")
-GPU_EXAMPLES = ("cupy", "jax", "torch", "user_mods_cupy", "hf_transformers")
+GPU_EXAMPLES = ("cupy", "jax", "torch", "cuda_graphs", "user_mods_cupy", "hf_transformers")
 
 
 def _needs(framework):
     if framework in HOST_EXAMPLES:
         return
     _cupy()
-    if framework in ("torch", "hf_transformers"):
+    if framework in ("torch", "cuda_graphs", "hf_transformers"):
         _torch_cuda()
     elif framework == "jax":
         _jax_gpu()
@@ -759,6 +759,7 @@ def test_readme_has_one_tested_example_per_framework_and_variant():
     *HOST_EXAMPLES,
     pytest.param("cupy", marks=pytest.mark.gpu),
     pytest.param("torch", marks=pytest.mark.gpu),
+    pytest.param("cuda_graphs", marks=pytest.mark.gpu),
     pytest.param("jax", marks=pytest.mark.gpu),
     pytest.param("user_mods_cupy", marks=pytest.mark.gpu),
     pytest.param("hf_transformers", marks=pytest.mark.gpu),

@@ -362,11 +362,12 @@ def test_tile_lists_are_cached():
     assert m.tile_lists(64, 32, False, np) is m.tile_lists(64, 32, True, np)
 
 
-def _fake_cupy(stream):
+def _fake_cupy(stream, captured=()):
     """Just what tile_lists uses of CuPy, on NumPy arrays; ``stream[0]`` is the current
-    stream's pointer."""
+    stream's pointer, and the streams in ``captured`` are being captured into a CUDA graph."""
     from types import SimpleNamespace
-    cuda = SimpleNamespace(Device=lambda: SimpleNamespace(id=0),
+    runtime = SimpleNamespace(streamIsCapturing=lambda ptr: int(ptr in captured))
+    cuda = SimpleNamespace(Device=lambda: SimpleNamespace(id=0), runtime=runtime,
                            get_current_stream=lambda: SimpleNamespace(ptr=stream[0]))
     return SimpleNamespace(__name__="cupy", cuda=cuda, asarray=np.array,
                            ascontiguousarray=np.ascontiguousarray)
@@ -393,6 +394,26 @@ def test_device_lists_keep_only_the_most_recently_used_streams():
     assert m.tile_lists(64, 64, False, xp) is not first_other, "the oldest copy was kept"
     np.testing.assert_array_equal(m.tile_lists(64, 64, False, xp).kv_idx,
                                   m.tile_lists(64, 64, False, np).kv_idx)
+
+
+def test_capture_reuses_lists_of_another_stream_and_keeps_them():
+    """Inside a CUDA graph capture (its own stream) nothing is copied: the lists an earlier
+    call made on another stream serve, and stay with the mask after the recently-used
+    eviction has dropped them; with none made yet, a clear error instead of a copy."""
+    m = masks.causal(300, 300, 128)
+    stream = [1]
+    xp = _fake_cupy(stream, captured={99})
+    eager = m.tile_lists(64, 64, False, xp)
+    stream[0] = 99
+    assert m.tile_lists(64, 64, False, xp) is eager
+    with pytest.raises(RuntimeError, match="64 x 128 tiles .* before capturing"):
+        m.tile_lists(64, 128, False, xp)
+    for ptr in range(2, 2 + 2 * masks.DEVICE_LISTS_KEPT):    # evicts stream 1's copy
+        stream[0] = ptr
+        m.tile_lists(64, 64, False, xp)
+    assert all(lst is not eager for lst in m._device_lists.values())
+    stream[0] = 99
+    assert m.tile_lists(64, 64, False, xp) is eager
 
 
 @pytest.mark.parametrize("tq,tk,match", [(8, 64, "tile_q"), (96, 64, "tile_q"),
