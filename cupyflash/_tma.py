@@ -37,12 +37,19 @@ def _encode_tiled():
 
 
 def tiled(ptr, dtype, dims, strides, box, swizzle=SWIZZLE_128B):
-    """The tensor map (a 0-d ``TMA_DESC`` array, for a kernel argument) of a tensor at device
-    address ``ptr`` of ``dtype`` ("float16", "bfloat16", "float32") with sizes ``dims`` in
-    elements, innermost first (the innermost contiguous), ``strides`` the byte strides of
-    ``dims[1:]``, copied in boxes of ``box`` elements per dimension. Elements of a box outside
-    the tensor arrive as zeros. Raises ValueError for what the copy engine cannot describe,
-    RuntimeError if the driver refuses."""
+    """The tensor map (a read-only 0-d ``TMA_DESC`` array, for a kernel argument) of a tensor
+    at device address ``ptr`` of ``dtype`` ("float16", "bfloat16", "float32") with sizes
+    ``dims`` in elements, innermost first (the innermost contiguous), ``strides`` the byte
+    strides of ``dims[1:]``, copied in boxes of ``box`` elements per dimension. Elements of a
+    box outside the tensor arrive as zeros. Raises ValueError for what the copy engine cannot
+    describe, RuntimeError if the driver refuses. The last maps made are kept: a training
+    loop hands the same buffers (a caching allocator's) call after call, and each encoding
+    costs microseconds of host time."""
+    return _tiled(int(ptr), dtype, tuple(dims), tuple(strides), tuple(box), swizzle)
+
+
+@functools.lru_cache(maxsize=256)
+def _tiled(ptr, dtype, dims, strides, box, swizzle):
     rank = len(dims)
     if not 1 <= rank <= 5 or len(strides) != rank - 1 or len(box) != rank:
         raise ValueError(f"tensor map of rank {rank}: {len(strides)} strides, {len(box)} box sizes")
@@ -67,4 +74,5 @@ def tiled(ptr, dtype, dims, strides, box, swizzle=SWIZZLE_128B):
                            f"strides {strides}, box {box})")
     desc = np.zeros((), TMA_DESC)
     ctypes.memmove(desc.ctypes.data, at, DESC_BYTES)
+    desc.flags.writeable = False
     return desc
