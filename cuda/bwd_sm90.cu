@@ -1,22 +1,26 @@
 // The dK/dV pass of the backward for Hopper (sm_90a), with dQ added atomically (bwd.cu's
 // fp32 buffer and its convert kernel; bwd_preprocess_kernel has written D and lse in log2
-// units first). One thread block per (key block of 128 keys, kv head, batch) keeps dK and dV in
-// registers while it walks every query block of 64 rows of every query head of its group, as
-// bwd.cu's pass does, with Hopper's units:
-// - a producer warpgroup (registers given back): one thread copies K and V once and Q and dO
-//   per query block into two stages (tensor maps, mbarriers; a stage is reused once every
-//   consumer thread has released it), one warp the block's lse and D rows next to them;
-// - two consumer warpgroups of 64 keys each: S^T = K Q^T and dP^T = V dO^T by wgmma from shared
-//   memory; P^T = exp2(S^T - lse) through the shared pieces (mask, score modifier), and dV +=
-//   P^T dO from registers running while dS^T = P^T (dP^T - D) is made; dK += dS^T Q likewise;
-//   dS^T to shared memory (two steps' tiles, alternating), and once both warpgroups' tiles are
-//   there, dQ (64 queries x half the head dim: the warpgroup's) += dS K over all 128 keys by
-//   wgmma with both operands transposed. Each warp stages its 16 rows of that in shared memory
-//   in the fp32 buffer's tile order (the accumulators have that layout) and adds them into the
-//   buffer by one bulk reduce-add of the copy engine, instead of 64 atomics per thread.
-// dK and dV leave through the warpgroup's K and V tiles and bulk tensor stores.
-// HeadDim is the head-dim bucket, 64 or 128 (_launch.bwd_family): the copy engine fills the
-// columns past the real head dim with zeros, and the stores clip them.
+// units first). One thread block per (key block, kv head, batch) keeps dK and dV in registers
+// while it walks every query block of 64 rows of every query head of its group (BwdSteps), as
+// bwd.cu's pass does, with Hopper's units. Two kernels share the block's skeleton:
+// - a producer warpgroup (bwd_sm90_produce, registers given back): one thread copies K and V
+//   once and Q and dO per query block into two stages (tensor maps, mbarriers; a stage is
+//   reused once every consumer thread has released it), one warp the rows' lse and D next to
+//   them;
+// - two consumer warpgroups that multiply by wgmma, with the mask and score modifier of the
+//   shared pieces, and add dQ through each warp's fp32 stage in the buffer's tile order (the
+//   accumulators have that layout) by bulk reduce-adds of the copy engine (add_dq_rows),
+//   instead of atomics per element; dK and dV leave through K and V's tiles and bulk tensor
+//   stores.
+// flash_bwd_sm90_kernel (head dims 64 and 128): 128 keys, 64 per warpgroup. S^T = K Q^T and
+// dP^T = V dO^T from shared memory; P^T = exp2(S^T - lse), and dV += P^T dO from registers
+// running while dS^T = P^T (dP^T - D) is made; dK += dS^T Q likewise; dS^T to shared memory
+// (two steps' tiles, alternating), and once both warpgroups' tiles are there, dQ (64 queries x
+// half the head dim: the warpgroup's) += dS K over all 128 keys, both operands transposed.
+// flash_bwd_sm90_wide_kernel (head dim 256): see there.
+// The head dim is the bucket's rounded up (_launch.sm90_bwd_headdim): the copy engine fills
+// the columns past the real head dim with zeros, the stores clip them, and dQ is added for the
+// bucket's columns only.
 #include "common.cuh"
 #include "sm90.cuh"
 #include "seqinfo.cuh"
@@ -35,6 +39,122 @@ struct BwdSm90Params {
 // bwd.cu's dQ buffer: tiles of 16 rows x 8 columns, register e of lane L at e * 32 + L.
 constexpr int SM90_DQ_TILE = 16 * 8;
 
+// The steps of a dK/dV block (key tile n_tile of kv head hk, Bc keys): (query head of the
+// group, query block of Br rows) pairs in order, heads without blocks skipped. The producer
+// and the consumers walk the same steps.
+template <typename V>
+struct BwdSteps {
+    const BwdParams& p;
+    const Mask<V, BwdParams>& mask;
+    int hk, n_tile, br, bc;
+    struct Step { int hq, it; QueryBlocks qb; };
+
+    __device__ __forceinline__ QueryBlocks blocks_of(int hq) const {
+        return query_blocks(p.q_blocks, mask, hk * p.group + hq, n_tile, br, bc);
+    }
+    __device__ __forceinline__ Step settle(Step s) const {   // move past exhausted heads
+        while (s.hq < p.group && s.it >= s.qb.count) {
+            ++s.hq;
+            s.it = 0;
+            if (s.hq < p.group) s.qb = blocks_of(s.hq);
+        }
+        return s;
+    }
+    __device__ __forceinline__ Step first() const { return settle(Step{0, 0, blocks_of(0)}); }
+    __device__ __forceinline__ Step next(Step s) const { return settle(Step{s.hq, s.it + 1, s.qb}); }
+    __device__ __forceinline__ bool done(Step s) const { return s.hq >= p.group; }
+    __device__ __forceinline__ int head(Step s) const { return hk * p.group + s.hq; }
+    __device__ __forceinline__ int row0(Step s) const { return s.qb.block(s.it) * br; }
+};
+
+// The barriers of the copy pipeline: K and V once, and Stages buffers of Q, dO and the rows'
+// (lse, D).
+template <int Stages>
+struct BwdSm90Barriers {
+    unsigned long long kv_full, qd_full[Stages], qd_empty[Stages];
+
+    __device__ __forceinline__ void init(int consumers) {
+        mbar_init(&kv_full, 1);
+        for (int s = 0; s < Stages; ++s) {
+            mbar_init(&qd_full[s], 1 + 32);   // the copying thread and the statistics warp
+            // Every consumer thread arrives: each has read the stage's statistics itself.
+            mbar_init(&qd_empty[s], consumers);
+        }
+        mbar_fence_init();
+    }
+};
+
+// The producer warpgroup (the block's last; registers given back first): its first thread has
+// the copy engine bring the block's K and V (KeyTiles x Chunks sub-tiles of 64 keys x 64
+// columns) once and Q and dO (Chunks sub-tiles of Br rows) per step; its second warp copies
+// the steps' row statistics into sstat (rows past seqlen_q take the last row's: their Q and dO
+// rows are zeros, nothing of theirs reaches dK or dV), so that the consumers hold no registers
+// for them across their products.
+template <int Stages, int Br, int KeyTiles, int Chunks, typename V>
+__device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const SeqInfo<BwdParams>& seq,
+                                                 const BwdSteps<V>& steps, int col0, int batch, u16* sK, u16* sV,
+                                                 u16* sQ, u16* sdO, float2 (*sstat)[Br], BwdSm90Barriers<Stages>& bar) {
+    constexpr int Sub = 64 * 64;
+    const BwdParams& p = steps.p;
+    const int pw = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+    if (pw > 1 || (pw == 0 && lane != 0)) return;
+    if (pw == 0) {
+        mbar_expect_bytes(&bar.kv_full, 2 * KeyTiles * Chunks * Sub * 2);
+        for (int kt = 0; kt < KeyTiles; ++kt)
+            for (int c = 0; c < Chunks; ++c) {
+                tma_load_4d(sK + (kt * Chunks + c) * Sub, tp.k, 64 * c, steps.hk, col0 + 64 * kt, batch, &bar.kv_full);
+                tma_load_4d(sV + (kt * Chunks + c) * Sub, tp.v, 64 * c, steps.hk, col0 + 64 * kt, batch, &bar.kv_full);
+            }
+    }
+    int g = 0;   // query blocks passed: block g goes through stage g % Stages
+    for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
+        const int buf = g % Stages, h = steps.head(cur), m0 = steps.row0(cur);
+        if (g >= Stages) mbar_wait(&bar.qd_empty[buf], (g / Stages - 1) & 1);
+        if (pw == 0) {
+            mbar_expect_bytes(&bar.qd_full[buf], 2 * Chunks * Br * 64 * 2);
+            for (int c = 0; c < Chunks; ++c) {
+                tma_load_4d(sQ + (buf * Chunks + c) * Br * 64, tp.q, 64 * c, h, m0, batch, &bar.qd_full[buf]);
+                tma_load_4d(sdO + (buf * Chunks + c) * Br * 64, tp.dout, 64 * c, h, m0, batch, &bar.qd_full[buf]);
+            }
+        } else {
+            for (int i = lane; i < Br; i += 32) {
+                const index_t at_row = seq.stat(h, min(m0 + i, seq.seqlen_q() - 1));
+                sstat[buf][i] = make_float2(static_cast<const float*>(p.lse_log2)[at_row],
+                                            static_cast<const float*>(p.dsum)[at_row]);
+            }
+            mbar_arrive(&bar.qd_full[buf]);
+        }
+    }
+}
+
+// A warp's 16 rows x 8 * Tiles columns of dQ (fragments of n8 tiles) into its stage in the
+// buffer's tile order (register e of lane L of tile j at j * 128 + e * 32 + L), then added
+// into the buffer at the warp's first tile `gdq` by one bulk reduce-add of `valid` tiles;
+// lane 0 first waits until the last add has read the stage.
+template <int Tiles>
+__device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const float (&dq)[4 * Tiles], int valid,
+                                            int lane) {
+    if (lane == 0) bulk_wait_read<0>();
+    __syncwarp();
+    const u32 at = smem_addr(stage + lane);
+#pragma unroll
+    for (int j = 0; j < Tiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st_shared(at + 4 * (j * SM90_DQ_TILE + e * 32), dq[4 * j + e]);
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0 && valid > 0) {
+        bulk_reduce_add_f32(gdq, stage, valid * SM90_DQ_TILE * 4);
+        bulk_commit();
+    }
+}
+
+// The fp32 dQ buffer's tile of rows row0.. (a multiple of 16) and column col (of 8) of head h.
+__device__ __forceinline__ float* dq_tile(const BwdParams& p, int b, int h, int row0, int col) {
+    return p.dq_accum + (((static_cast<index_t>(b) * p.nheads + h) * (p.dq_accum_rows / 16) + row0 / 16)
+                         * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
+}
+
 template <typename Elem, int HeadDim, typename V>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
@@ -48,7 +168,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // two steps' dS^T (128 keys x 64 queries), then each consumer warp's fp32 dQ stage (16 rows
     // x HeadDim / 2 in the buffer's tile order); 1024-byte aligned.
     extern __shared__ unsigned char smem_raw[];
-    __shared__ unsigned long long kv_full, qd_full[Stages], qd_empty[Stages];
+    __shared__ BwdSm90Barriers<Stages> bar;
     __shared__ float2 sstat[Stages][Br];   // (lse in log2 units, D) of each stage's rows
     u16* sK = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
     u16* sV = sK + 2 * Halves * Sub;
@@ -62,66 +182,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams> seq(p, at.batch);
     Mask<V, BwdParams> mask(p);
-    const int hk = at.head, n_tile = at.tile, col0 = n_tile * Bc;
+    const int n_tile = at.tile, col0 = n_tile * Bc;
+    const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
-    // The steps: (query head of the group, query block) pairs, heads without blocks skipped.
-    struct Step { int hq, it; QueryBlocks qb; };
-    auto blocks_of = [&](int hq) { return query_blocks(p.q_blocks, mask, hk * p.group + hq, n_tile, Br, Bc); };
-    auto settle = [&](Step s) {   // move past heads whose list is exhausted
-        while (s.hq < p.group && s.it >= s.qb.count) {
-            ++s.hq;
-            s.it = 0;
-            if (s.hq < p.group) s.qb = blocks_of(s.hq);
-        }
-        return s;
-    };
-
-    if (threadIdx.x == 0) {
-        mbar_init(&kv_full, 1);
-        for (int s = 0; s < Stages; ++s) {
-            mbar_init(&qd_full[s], 1 + 32);   // the copying thread and the statistics warp
-            // Every consumer thread arrives: each has read the stage's statistics itself.
-            mbar_init(&qd_empty[s], Consumers);
-        }
-        mbar_fence_init();
-    }
+    if (threadIdx.x == 0) bar.init(Consumers);
     __syncthreads();
 
-    // The producer warpgroup: its first thread has the copy engine bring K and V once and Q
-    // and dO per step; its second warp copies the steps' row statistics into sstat (rows past
-    // seqlen_q take the last row's: their Q and dO rows are zeros, nothing of theirs reaches dK
-    // or dV), so that the consumers hold no registers for them across their products.
     if (threadIdx.x >= Consumers) {
         setmaxnreg_dec<24>();
-        const int pw = (threadIdx.x - Consumers) / 32, lane = threadIdx.x % 32;
-        if (pw > 1 || (pw == 0 && lane != 0)) return;
-        if (pw == 0) {
-            mbar_expect_bytes(&kv_full, 2 * 2 * Halves * Sub * 2);
-            for (int half = 0; half < 2; ++half)
-                for (int c = 0; c < Halves; ++c) {
-                    tma_load_4d(sK + (half * Halves + c) * Sub, tp.k, 64 * c, hk, col0 + 64 * half, at.batch, &kv_full);
-                    tma_load_4d(sV + (half * Halves + c) * Sub, tp.v, 64 * c, hk, col0 + 64 * half, at.batch, &kv_full);
-                }
-        }
-        int g = 0;   // query blocks passed: block g goes through stage g % Stages
-        for (Step cur = settle(Step{0, 0, blocks_of(0)}); cur.hq < p.group; cur = settle(Step{cur.hq, cur.it + 1, cur.qb}), ++g) {
-            const int buf = g % Stages, h = hk * p.group + cur.hq, m0 = cur.qb.block(cur.it) * Br;
-            if (g >= Stages) mbar_wait(&qd_empty[buf], (g / Stages - 1) & 1);
-            if (pw == 0) {
-                mbar_expect_bytes(&qd_full[buf], 2 * Halves * Sub * 2);
-                for (int c = 0; c < Halves; ++c) {
-                    tma_load_4d(sQ + (buf * Halves + c) * Sub, tp.q, 64 * c, h, m0, at.batch, &qd_full[buf]);
-                    tma_load_4d(sdO + (buf * Halves + c) * Sub, tp.dout, 64 * c, h, m0, at.batch, &qd_full[buf]);
-                }
-            } else {
-                for (int i = lane; i < Br; i += 32) {
-                    const index_t at_row = seq.stat(h, min(m0 + i, seq.seqlen_q() - 1));
-                    sstat[buf][i] = make_float2(static_cast<const float*>(p.lse_log2)[at_row],
-                                                static_cast<const float*>(p.dsum)[at_row]);
-                }
-                mbar_arrive(&qd_full[buf]);
-            }
-        }
+        bwd_sm90_produce<Stages, Br, 2, Halves>(tp, seq, steps, col0, at.batch, sK, sV, sQ, sdO, sstat, bar);
         return;
     }
     setmaxnreg_inc<240>();
@@ -142,10 +211,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) { dk[0][i][e] = 0.f; dv[0][i][e] = 0.f; }
 
-    mbar_wait(&kv_full, 0);
+    mbar_wait(&bar.kv_full, 0);
     int g = 0;
-    for (Step cur = settle(Step{0, 0, blocks_of(0)}); cur.hq < p.group; cur = settle(Step{cur.hq, cur.it + 1, cur.qb}), ++g) {
-        const int buf = g % Stages, h = hk * p.group + cur.hq, m0 = cur.qb.block(cur.it) * Br;
+    for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
+        const int buf = g % Stages, h = steps.head(cur), m0 = steps.row0(cur);
         const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
         mod.at_head(seq.b, h);
         mask.at_head(seq.b, h);
@@ -157,7 +226,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         float st[1][NT][4], dpt[1][NT][4];
         float(&st_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st);
         float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
-        mbar_wait(&qd_full[buf], (g / Stages) & 1);
+        mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
         wgmma_fence();
 #pragma unroll
         for (int c = 0; c < Halves; ++c)
@@ -257,25 +326,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         wgmma_fence_operands(dq);
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
-        mbar_arrive(&qd_empty[buf]);
-        // Each warp's 16 rows into its own stage (the buffer's tiles of those rows and the
-        // warpgroup's columns: register e of lane L of n8 tile j at j * 128 + e * 32 + L), and
-        // from there into the buffer by one bulk reduce-add once the last one has read it.
-        if (lane == 0) bulk_wait_read<0>();
-        __syncwarp();
-        const u32 mydQ_s = smem_addr(mydQ + lane);
-#pragma unroll
-        for (int j = 0; j < DQ_N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st_shared(mydQ_s + 4 * (j * SM90_DQ_TILE + e * 32), dq[4 * j + e]);
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) {
-            float* gdq = p.dq_accum + (((static_cast<index_t>(seq.b) * p.nheads + h) * (p.dq_accum_rows / 16) + m0 / 16 + wq)
-                                       * (p.dq_accum_cols / 8) + wg * DQ_N / 8) * SM90_DQ_TILE;
-            bulk_reduce_add_f32(gdq, mydQ, DQ_N / 8 * SM90_DQ_TILE * 4);
-            bulk_commit();
-        }
+        mbar_arrive(&bar.qd_empty[buf]);
+        // Each warp's 16 rows into its own stage and the buffer: the warpgroup's columns, those
+        // of them the buffer has (the bucket's: 96 in the 128 kernel, 32 in the 64 one).
+        add_dq_rows<DQ_N / 8>(dq_tile(p, seq.b, h, m0 + 16 * wq, wg * DQ_N), mydQ, dq,
+                              min(DQ_N / 8, p.dq_accum_cols / 8 - wg * DQ_N / 8), lane);
     }
     if (lane == 0) bulk_wait<0>();
 
@@ -293,8 +348,199 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     if (threadIdx.x % 128 == 0) {
 #pragma unroll
         for (int c = 0; c < Halves; ++c) {
-            tma_store_4d(tp.dk, 64 * c, hk, col0 + 64 * wg, at.batch, stK + c * Sub);
-            tma_store_4d(tp.dv, 64 * c, hk, col0 + 64 * wg, at.batch, stV + c * Sub);
+            tma_store_4d(tp.dk, 64 * c, at.head, col0 + 64 * wg, at.batch, stK + c * Sub);
+            tma_store_4d(tp.dv, 64 * c, at.head, col0 + 64 * wg, at.batch, stV + c * Sub);
+        }
+        bulk_commit();
+        bulk_wait<0>();
+    }
+}
+
+// The dK/dV pass at head dim 256 (buckets 160 to 256), where one warpgroup's dK and dV for 64
+// keys would take all its registers: both consumer warpgroups work on the same 64 keys, and
+// each keeps dK and dV for its half of the head dim (128 columns, 64 + 64 registers). Per
+// query block of 64 rows:
+// - S^T = K Q^T and dP^T = V dO^T over the whole head dim, each warpgroup for 32 of the
+//   queries (wgmma m64n32);
+// - P^T and dS^T of those queries through the shared pieces into shared memory (one tile of
+//   64 keys x 64 queries each, both warpgroups' halves), then, with both halves there:
+// - dV += P^T dO and dK += dS^T Q for the warpgroup's columns, both operands from shared
+//   memory; dQ (all 64 rows x the warpgroup's columns) = dS K, 32 columns at a time through
+//   each warp's stage and a bulk reduce-add, as in the kernel above.
+// Shared memory: K and V (64 keys x 256), two stages of Q and dO (64 rows x 256), the P^T and
+// dS^T tiles and eight warps' dQ stages: 227 KB with the alignment, the most a block has.
+template <typename Elem, typename V>
+__global__ void __launch_bounds__(384, 1)
+flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
+    constexpr int HeadDim = 256, Bc = 64, Br = 64, Stages = 2, Consumers = 256, Chunks = HeadDim / 64;
+    constexpr int Sub = 64 * 64, QW = Br / 2, NT = QW / 8, DT = HeadDim / 2 / 8, DQ_COLS = 32;
+    static_assert(!V::Dropout && !V::UserScore, "dropout and user score_mods run the generic backward");
+    const BwdParams& p = tp.base;
+
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ BwdSm90Barriers<Stages> bar;
+    __shared__ float2 sstat[Stages][Br];
+    u16* sK = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
+    u16* sV = sK + Chunks * Sub;
+    u16* sQ = sV + Chunks * Sub;
+    u16* sdO = sQ + Stages * Chunks * Sub;
+    u16* sPt = sdO + Stages * Chunks * Sub;
+    u16* sdSt = sPt + Sub;
+    float* sdQ = reinterpret_cast<float*>(sdSt + Sub);
+
+    const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
+    if (at.batch >= p.batch) return;
+    const SeqInfo<BwdParams> seq(p, at.batch);
+    Mask<V, BwdParams> mask(p);
+    const int n_tile = at.tile, col0 = n_tile * Bc;
+    const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
+
+    if (threadIdx.x == 0) bar.init(Consumers);
+    __syncthreads();
+
+    if (threadIdx.x >= Consumers) {
+        setmaxnreg_dec<24>();
+        bwd_sm90_produce<Stages, Br, 1, Chunks>(tp, seq, steps, col0, at.batch, sK, sV, sQ, sdO, sstat, bar);
+        return;
+    }
+    setmaxnreg_inc<240>();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
+    const int t = lane % 4, key_w = 16 * wq, q_w = QW * wg;   // the warp's first key, the warpgroup's first query
+    float* mydQ = sdQ + warp * 16 * DQ_COLS;
+    const u32 sPt_s = smem_addr(sPt), sdSt_s = smem_addr(sdSt);
+    ScoreMod<V, BwdParams> mod(p);
+
+    float dk[1][DT][4], dv[1][DT][4];   // the warpgroup's 128 columns
+#pragma unroll
+    for (int i = 0; i < DT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { dk[0][i][e] = 0.f; dv[0][i][e] = 0.f; }
+
+    mbar_wait(&bar.kv_full, 0);
+    int g = 0;
+    for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
+        const int buf = g % Stages, h = steps.head(cur), m0 = steps.row0(cur);
+        const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
+        mod.at_head(seq.b, h);
+        mask.at_head(seq.b, h);
+        const u16* bQ = sQ + buf * Chunks * Sub;
+        const u16* bdO = sdO + buf * Chunks * Sub;
+
+        // S^T and dP^T for the warpgroup's 32 queries (rows q_w.. of the Q and dO sub-tiles:
+        // 32 rows = 4096 bytes), over the head dim's four sub-tiles.
+        float st[1][NT][4], dpt[1][NT][4];
+        float(&st_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st);
+        float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
+        mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int c = 0; c < Chunks; ++c)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                wgmma_ss<Elem>(st_flat, sw128_desc(sK + c * Sub, 32 * kk), sw128_desc(bQ + c * Sub, 128 * q_w + 32 * kk),
+                               c + kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int c = 0; c < Chunks; ++c)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                wgmma_ss<Elem>(dpt_flat, sw128_desc(sV + c * Sub, 32 * kk), sw128_desc(bdO + c * Sub, 128 * q_w + 32 * kk),
+                               c + kk > 0);
+        wgmma_commit();
+
+        // P^T into its tile (keys as rows, K-major for dV's A operand), and in st the factor
+        // of dS^T; the tiles are free: both warpgroups passed the end of the last step.
+        auto stat = [&](int nt, int j) { return sstat[buf][q_w + nt * 8 + 2 * t + j]; };
+        wgmma_wait<1>();
+        wgmma_fence_operands(st_flat);
+        if constexpr (V::Softcap) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[0][nt][e] = mod.held(st[0][nt][e]);
+        }
+        if (masked) mask_scores<true>(st, mask, col0 + key_w, m0 + q_w, lane);
+        using C = ScoreCoords<true>;
+        const float dist0 = mod.dist0(C(col0 + key_w, m0 + q_w, lane));
+        const int r = key_w + lane / 4;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            float pv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float x = mod.bias_at(dist0, C::ddiff(0, nt, e), st[0][nt][e]);
+                pv[e] = fast_exp2(fmaf(x, mod.mult(), -stat(nt, e & 1).x));
+                st[0][nt][e] = pv[e] * mod.grad(st[0][nt][e]);
+            }
+            const int c = q_w + nt * 8 + 2 * t;
+            st_shared(sPt_s + 2 * swizzled_offset<64>(r, c), pack2<Elem>(pv[0], pv[1]));
+            st_shared(sPt_s + 2 * swizzled_offset<64>(r + 8, c), pack2<Elem>(pv[2], pv[3]));
+        }
+        wgmma_wait<0>();
+        wgmma_fence_operands(dpt_flat);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            float ds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[e] = st[0][nt][e] * (dpt[0][nt][e] - stat(nt, e & 1).y);
+            const int c = q_w + nt * 8 + 2 * t;
+            st_shared(sdSt_s + 2 * swizzled_offset<64>(r, c), pack2<Elem>(ds[0], ds[1]));
+            st_shared(sdSt_s + 2 * swizzled_offset<64>(r + 8, c), pack2<Elem>(ds[2], ds[3]));
+        }
+        fence_proxy_async();
+        named_bar_sync(6, Consumers);   // both warpgroups' halves of P^T and dS^T are in
+
+        // dV += P^T dO and dK += dS^T Q for the warpgroup's columns: sub-tiles 2 wg and 2 wg + 1.
+        wgmma_fence();
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int kk = 0; kk < Br / 16; ++kk) {
+                wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * hf]), sw128_desc(sPt, 32 * kk),
+                                  sw128_desc(bdO + (2 * wg + hf) * Sub, 2048 * kk), true);
+                wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * hf]), sw128_desc(sdSt, 32 * kk),
+                                  sw128_desc(bQ + (2 * wg + hf) * Sub, 2048 * kk), true);
+            }
+        wgmma_commit();
+        // dQ for the warpgroup's columns, DQ_COLS at a time: dS (queries x keys, from the dS^T
+        // tile) K (keys x columns, half a sub-tile's row: 64 bytes in for the second half).
+#pragma unroll
+        for (int cc = 0; cc < HeadDim / 2 / DQ_COLS; ++cc) {
+            const int col = HeadDim / 2 * wg + DQ_COLS * cc;
+            float dq[DQ_COLS / 2];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < Bc / 16; ++kk)
+                wgmma_ss_tt<Elem>(dq, sw128_desc(sdSt, 2048 * kk), sw128_desc(sK + col / 64 * Sub, 2048 * kk + 2 * (col % 64)),
+                                  kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operands(dq);
+            add_dq_rows<DQ_COLS / 8>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), mydQ, dq,
+                                     min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
+        }
+        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
+        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
+        mbar_arrive(&bar.qd_empty[buf]);
+        named_bar_sync(6, Consumers);   // both warpgroups are done with P^T and dS^T
+    }
+    if (lane == 0) bulk_wait<0>();
+
+    // dK = scale * dk and dV of the warpgroup's columns through K and V's sub-tiles 2 wg and
+    // 2 wg + 1 (the last barrier has every product done with them) to bulk stores.
+    u16* stK = sK + 2 * wg * Sub;
+    u16* stV = sV + 2 * wg * Sub;
+    const float scale = static_cast<float>(p.scale);
+    stage_swizzled<Elem, 64>(stK, 16 * wq, lane, dk, [=](int, int) { return scale; });
+    stage_swizzled<Elem, 64>(stV, 16 * wq, lane, dv, [](int, int) { return 1.f; });
+    fence_proxy_async();
+    named_bar_sync(4 + wg, 128);
+    if (threadIdx.x % 128 == 0) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            tma_store_4d(tp.dk, 64 * (2 * wg + hf), at.head, col0, at.batch, stK + hf * Sub);
+            tma_store_4d(tp.dv, 64 * (2 * wg + hf), at.head, col0, at.batch, stV + hf * Sub);
         }
         bulk_commit();
         bulk_wait<0>();

@@ -174,8 +174,8 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[N / 2] (+)= A (64 x 16, K-major descriptor) B^T (B: N x 16, K-major descriptor), N = 64 or
-// 128 by the size of d, bf16 or fp16 operands, fp32 accumulators laid out as mma.sync's over
+// d[N / 2] (+)= A (64 x 16, K-major descriptor) B^T (B: N x 16, K-major descriptor), N = 32, 64
+// or 128 by the size of d, bf16 or fp16 operands, fp32 accumulators laid out as mma.sync's over
 // N / 8 n8 tiles: warp w of the warpgroup holds rows 16w + g and 16w + g + 8, register 4j +
 // (0, 1) row 16w + g, columns 8j + 2t + (0, 1), register 4j + (2, 3) the same columns of row
 // 16w + g + 8.
@@ -203,6 +203,16 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], unsi
                  : CUPYFLASH_WGMMA_OUT32                                                                         \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
 
+template <>
+__device__ __forceinline__ void wgmma_ss<bf16, 16>(float (&d)[16], unsigned long long a, unsigned long long b,
+                                                   bool accumulate) {
+    CUPYFLASH_WGMMA_SS(32, "bf16", CUPYFLASH_WGMMA_D16, CUPYFLASH_WGMMA_OUT16, "16", "17", "18");
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<fp16, 16>(float (&d)[16], unsigned long long a, unsigned long long b,
+                                                   bool accumulate) {
+    CUPYFLASH_WGMMA_SS(32, "f16", CUPYFLASH_WGMMA_D16, CUPYFLASH_WGMMA_OUT16, "16", "17", "18");
+}
 template <>
 __device__ __forceinline__ void wgmma_ss<bf16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
                                                    bool accumulate) {
@@ -257,6 +267,29 @@ __device__ __forceinline__ void wgmma_ss_tt<fp16, 32>(float (&d)[32], unsigned l
     CUPYFLASH_WGMMA_SS_TT(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
 }
 #undef CUPYFLASH_WGMMA_SS_TT
+// d[32] (+)= A B with A (64 x 16) K-major in shared memory, as for wgmma_ss, and B (16 x 64)
+// MN-major, as for wgmma_rs: P^T dO and dS^T Q from shared memory, for a warpgroup that holds
+// neither operand in registers.
+template <typename Elem>
+__device__ __forceinline__ void wgmma_ss_bt(float (&d)[32], unsigned long long a, unsigned long long b,
+                                            bool accumulate);
+#define CUPYFLASH_WGMMA_SS_BT(TYPE)                                                                              \
+    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %34, 0;\n\t"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUPYFLASH_WGMMA_D32            \
+                 ", %32, %33, acc, 1, 1, 0, 1;\n\t}"                                                             \
+                 : CUPYFLASH_WGMMA_OUT32                                                                         \
+                 : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+template <>
+__device__ __forceinline__ void wgmma_ss_bt<bf16>(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                  bool accumulate) {
+    CUPYFLASH_WGMMA_SS_BT("bf16");
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_bt<fp16>(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                  bool accumulate) {
+    CUPYFLASH_WGMMA_SS_BT("f16");
+}
+#undef CUPYFLASH_WGMMA_SS_BT
 
 template <>
 __device__ __forceinline__ void wgmma_rs<bf16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,

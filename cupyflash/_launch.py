@@ -383,6 +383,20 @@ BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base"]
 SM90_BWD_KEYS, SM90_BWD_ROWS = 128, 64
 
 
+def sm90_bwd_headdim(bucket):
+    """The Hopper backward's head dim for a bucket: 64 or 128 (cuda/bwd_sm90.cu's
+    flash_bwd_sm90_kernel), or 256 above 128 (flash_bwd_sm90_wide_kernel); the copy engine
+    fills the columns past the real head dim with zeros."""
+    hd = sm90_headdim(bucket)
+    return hd if hd <= 128 else 256
+
+
+def sm90_bwd_keys(hd):
+    """Keys per block of the Hopper backward: 128 (two warpgroups of 64), 64 at head dim 256
+    (both warpgroups on the same keys, half the head dim each)."""
+    return 64 if hd == 256 else SM90_BWD_KEYS
+
+
 def _hopper_allowed():
     """The current device is sm_90 and CUPYFLASH_KERNELS does not force the generic kernels."""
     import cupy
@@ -393,13 +407,14 @@ def _hopper_allowed():
 def bwd_family(spec, block_mask, *arrays):
     """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward with dQ
     added atomically (the caller runs deterministic=True on the generic kernels), else
-    "generic". It covers fp16/bf16 with 16-byte aligned rows, head-dim buckets 64 and 128,
-    every band, softcap, ALiBi and user mask_mods, block masks whose blocks its tiles divide
-    (64 queries x 128 keys); dropout and user score_mods run the generic kernels."""
+    "generic". It covers fp16/bf16 with 16-byte aligned rows, every head-dim bucket, every
+    band, softcap, ALiBi and user mask_mods, block masks whose blocks its tiles divide (64
+    queries x ``sm90_bwd_keys`` keys); dropout and user score_mods run the generic kernels."""
+    keys = sm90_bwd_keys(sm90_bwd_headdim(spec.headdim))
     if (_hopper_allowed() and spec.dtype in TENSOR_CORE
-            and spec.headdim in (64, 128) and not (spec.dropout or spec.score_mod)
+            and not (spec.dropout or spec.score_mod)
             and (block_mask is None or (block_mask.block_q % SM90_BWD_ROWS == 0
-                                        and block_mask.block_k % SM90_BWD_KEYS == 0))
+                                        and block_mask.block_k % keys == 0))
             and _vec_ok(*arrays)):
         return "sm90"
     return "generic"
@@ -408,21 +423,25 @@ def bwd_family(spec, block_mask, *arrays):
 def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    hd = spec.headdim
+    hd = sm90_bwd_headdim(spec.headdim)
+    keys = sm90_bwd_keys(hd)
     if block_mask is not None:
-        _fill_lists(p, block_mask, SM90_BWD_ROWS, SM90_BWD_KEYS, spec.causal, kv=False, q=True)
-    _check_lists(p, "q_blocks", SM90_BWD_KEYS, SM90_BWD_ROWS)
+        _fill_lists(p, block_mask, SM90_BWD_ROWS, keys, spec.causal, kv=False, q=True)
+    _check_lists(p, "q_blocks", keys, SM90_BWD_ROWS)
     tp = np.zeros((), BWD_SM90_PARAMS)
-    grid = _tile_grid(p, _config.cdiv(sk, SM90_BWD_KEYS), hk, b, spec.causal)
+    grid = _tile_grid(p, _config.cdiv(sk, keys), hk, b, spec.causal)
     tp["base"] = p
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
         tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
                               (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
-    # K, V (128 rows), two stages of Q and dO (64 rows), two steps' 128 x 64 dS^T tiles and
-    # eight warps' fp32 dQ stages (16 rows x hd / 2), 1 KB to align.
-    smem = ((2 * SM90_BWD_KEYS + 4 * SM90_BWD_ROWS) * hd * 2 + 2 * SM90_BWD_KEYS * 64 * 2
-            + 8 * 16 * hd // 2 * 4 + 1024)
-    name = template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant())
+    # K, V, two stages of Q and dO (64 rows); 128 x 64 tiles of dS^T (two steps') or 64 x 64
+    # of P^T and dS^T (wide); eight warps' fp32 dQ stages (16 rows x hd / 2, or 32 columns
+    # wide); 1 KB to align.
+    smem = ((2 * keys + 4 * SM90_BWD_ROWS) * hd * 2 + 2 * keys * 64 * 2
+            + 8 * 16 * (32 if hd == 256 else hd // 2) * 4 + 1024)
+    name = (template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
+            if hd == 256 else
+            template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant()))
     _launch("bwd_sm90.cu", name, grid, SM90_FWD_THREADS, smem, tp[()], spec.user_mods)
 
 
@@ -594,7 +613,9 @@ def kernel_names(smem_limit, hopper=False):
             for spec in variants if not spec.dropout]
         names["bwd_sm90.cu"] = [
             template_name("flash_bwd_sm90_kernel", ELEM[d], hd, spec.variant())
-            for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout]
+            for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout] + [
+            template_name("flash_bwd_sm90_wide_kernel", ELEM[d], spec.variant())
+            for d in TENSOR_CORE for spec in variants if not spec.dropout]
     for elem in ELEM.values():
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):

@@ -264,8 +264,13 @@ def test_what_the_hopper_forward_does_not_cover_runs_the_generic_kernels(what, m
     assert _launch.kernel_family(spec, mask, q, k, v) == "generic"
 
 
-# The Hopper backward (cuda/bwd_sm90.cu) covers head-dim buckets 64 and 128.
-SM90_BWD_CASES = [c for c in SM90_CASES if c[5] in (40, 64, 120, 128)]
+# The Hopper backward (cuda/bwd_sm90.cu) covers every head-dim bucket: its 64- and 128-column
+# kernels and, above 128, the 256-column one, dQ added for the bucket's columns only (32 of 64
+# at d = 24, 96 of 128, 160 and 224 of 256).
+SM90_BWD_CASES = SM90_CASES + [
+    (2, 150, 170, 4, 2, 24, dict(causal=True)),
+    (2, 200, 129, 4, 2, 256, dict(causal=True, softcap=4.0)),
+]
 
 
 @pytest.mark.gpu
