@@ -34,6 +34,7 @@
 struct BwdSm90Params {
     TmaDesc q, k, v, dout, dk, dv;
     BwdParams base;
+    int* dq_order;   // deterministic dQ: one counter per (batch, head, query block); else null
 };
 
 // bwd.cu's dQ buffer: tiles of 16 rows x 8 columns, register e of lane L at e * 32 + L.
@@ -149,10 +150,40 @@ __device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const floa
     }
 }
 
+// Deterministic dQ (tp.dq_order set; dense or causal calls): the key blocks add into a query
+// block's rows one after another, in key order. Key block n is then the n-th to visit every
+// query block it visits, and it waits until n have added there (one thread polls the
+// counter), so the fp32 sums come out the same at every run. The blocks of a head start in
+// key order (block_coord), so the one waited for has started. Every consumer thread of the
+// block takes part (barrier 6).
+__device__ __forceinline__ void dq_turn_wait(const int* counter, int n) {
+    if (threadIdx.x == 0) {
+        while (ld_acquire(counter) != n) {
+        }
+        fence_proxy_async_all();   // the adds before, seen by this block's bulk adds
+    }
+    named_bar_sync(6, 256);
+}
+// After the block's adds into the query block: each warp waits until its own are written,
+// then the counter moves on.
+__device__ __forceinline__ void dq_turn_end(int* counter, int lane) {
+    if (lane == 0) {
+        bulk_wait<0>();
+        fence_proxy_async_all();
+    }
+    named_bar_sync(6, 256);
+    if (threadIdx.x == 0) red_release_add(counter, 1);
+}
+
 // The fp32 dQ buffer's tile of rows row0.. (a multiple of 16) and column col (of 8) of head h.
 __device__ __forceinline__ float* dq_tile(const BwdParams& p, int b, int h, int row0, int col) {
     return p.dq_accum + (((static_cast<index_t>(b) * p.nheads + h) * (p.dq_accum_rows / 16) + row0 / 16)
                          * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
+}
+
+// The counter of query block m (of 64 rows) of head h (tp.dq_order: batch, nheads, blocks).
+__device__ __forceinline__ index_t dq_order_at(const BwdParams& p, int b, int h, int m) {
+    return (static_cast<index_t>(b) * p.nheads + h) * ((p.seqlen_q + 63) / 64) + m;
 }
 
 template <typename Elem, int HeadDim, typename V>
@@ -329,8 +360,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         mbar_arrive(&bar.qd_empty[buf]);
         // Each warp's 16 rows into its own stage and the buffer: the warpgroup's columns, those
         // of them the buffer has (the bucket's: 96 in the 128 kernel, 32 in the 64 one).
+        int* order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / Br) : nullptr;
+        if (order) dq_turn_wait(order, n_tile);
         add_dq_rows<DQ_N / 8>(dq_tile(p, seq.b, h, m0 + 16 * wq, wg * DQ_N), mydQ, dq,
                               min(DQ_N / 8, p.dq_accum_cols / 8 - wg * DQ_N / 8), lane);
+        if (order) dq_turn_end(order, lane);
     }
     if (lane == 0) bulk_wait<0>();
 
@@ -505,6 +539,8 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         wgmma_commit();
         // dQ for the warpgroup's columns, DQ_COLS at a time: dS (queries x keys, from the dS^T
         // tile) K (keys x columns, half a sub-tile's row: 64 bytes in for the second half).
+        int* order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / Br) : nullptr;
+        if (order) dq_turn_wait(order, n_tile);
 #pragma unroll
         for (int cc = 0; cc < HeadDim / 2 / DQ_COLS; ++cc) {
             const int col = HeadDim / 2 * wg + DQ_COLS * cc;
@@ -520,6 +556,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
             add_dq_rows<DQ_COLS / 8>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), mydQ, dq,
                                      min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
         }
+        if (order) dq_turn_end(order, lane);
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
         mbar_arrive(&bar.qd_empty[buf]);

@@ -59,6 +59,19 @@ __device__ __forceinline__ void st_shared(u32 addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
+// ---- Counters in global memory between blocks, at GPU scope.
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Orders this thread's accesses to memory of every state space with the copy engine's (the
+// async proxy's).
+__device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;" ::: "memory"); }
+
 // ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all, some of which only
 // arrive. Two warpgroups take turns with them.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {

@@ -375,11 +375,13 @@ def kernel_family(spec, block_mask, *arrays):
     return "generic"
 
 
-# cuda/bwd_sm90.cu's parameters: the tensor maps of q, k, v, dout, dk and dv, then BwdParams.
-BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base"],
-                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS],
-                            "offsets": [i * _MAP for i in range(7)],
-                            "itemsize": _config.cdiv(6 * _MAP + BWD_PARAMS.itemsize, 64) * 64})
+# cuda/bwd_sm90.cu's parameters: the tensor maps of q, k, v, dout, dk and dv, BwdParams, and
+# the deterministic dQ's counters (or 0).
+_AFTER_BWD = _config.cdiv(6 * _MAP + BWD_PARAMS.itemsize, 8) * 8
+BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base", "dq_order"],
+                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS, np.uint64],
+                            "offsets": [i * _MAP for i in range(7)] + [_AFTER_BWD],
+                            "itemsize": _config.cdiv(_AFTER_BWD + 8, 64) * 64})
 SM90_BWD_KEYS, SM90_BWD_ROWS = 128, 64
 
 
@@ -404,12 +406,16 @@ def _hopper_allowed():
             and cupy.cuda.Device().compute_capability == "90")
 
 
-def bwd_family(spec, block_mask, *arrays):
+def bwd_family(spec, block_mask, *arrays, deterministic=False):
     """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward with dQ
-    added atomically (the caller runs deterministic=True on the generic kernels), else
-    "generic". It covers fp16/bf16 with 16-byte aligned rows, every head-dim bucket, every
-    band, softcap, ALiBi and user mask_mods, block masks whose blocks its tiles divide (64
-    queries x ``sm90_bwd_keys`` keys); dropout and user score_mods run the generic kernels."""
+    added by the copy engine into an fp32 buffer, else "generic". It covers fp16/bf16 with
+    16-byte aligned rows, every head-dim bucket, every band, softcap, ALiBi and user
+    mask_mods, block masks whose blocks its tiles divide (64 queries x ``sm90_bwd_keys`` keys);
+    dropout and user score_mods run the generic kernels. ``deterministic``: dense or causal
+    calls only (the key blocks add dQ in key order, which is then every block's rank among a
+    query block's visitors); a window or a block mask runs the generic deterministic pass."""
+    if deterministic and (spec.local or block_mask is not None):
+        return "generic"
     keys = sm90_bwd_keys(sm90_bwd_headdim(spec.headdim))
     if (_hopper_allowed() and spec.dtype in TENSOR_CORE
             and not (spec.dropout or spec.score_mod)
@@ -420,7 +426,7 @@ def bwd_family(spec, block_mask, *arrays):
     return "generic"
 
 
-def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask):
+def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
@@ -431,6 +437,10 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask):
     tp = np.zeros((), BWD_SM90_PARAMS)
     grid = _tile_grid(p, _config.cdiv(sk, keys), hk, b, spec.causal)
     tp["base"] = p
+    if deterministic:
+        import cupy
+        order = cupy.zeros((b, h, _config.cdiv(sq, SM90_BWD_ROWS)), cupy.int32)
+        tp["dq_order"] = order.data.ptr
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
         tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
                               (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
@@ -510,11 +520,13 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask=None,
-             alibi_slopes=None, dropout=None, user_arrays=(), user_grads=None):
+             alibi_slopes=None, dropout=None, user_arrays=(), user_grads=None,
+             deterministic=False):
     """Launch the backward passes of the call ``spec``. ``dq``, ``dk``, ``dv`` and ``stats``
     (D and lse in log2 units, ``(2,) + lse.shape`` in lse's dtype, written by the first pass)
     are preallocated; ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or
-    None (deterministic / plain path)."""
+    None (the deterministic generic pass, the plain path). ``deterministic`` with a
+    ``dq_accum``: the Hopper pass, adding dQ in key order (``bwd_family``)."""
     p = np.zeros((), BWD_PARAMS)
     _fill_user(p["user"], user_arrays, user_grads)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
@@ -533,11 +545,15 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     rows = (_config.cdiv(sq, _config.GENERIC_WARPS), h, b)
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem), rows,
             32 * _config.GENERIC_WARPS, 0, p[()])
-    if dq_accum is not None and bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv) == "sm90":
+    hopper = bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv,
+                        deterministic=deterministic) == "sm90"
+    if deterministic and (dq_accum is not None) != hopper:
+        raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
+    if dq_accum is not None and hopper:
         if dq_accum.shape != (b, h, dq_accum.shape[2], hd) or dq_accum.shape[2] % SM90_BWD_ROWS:
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {SM90_BWD_ROWS}-row "
                                  f"tiles of {hd} columns")
-        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask)
+        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic)
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), (_config.cdiv(sq, 16), h, b),
                 DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
     elif spec.dtype in TENSOR_CORE:

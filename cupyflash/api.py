@@ -371,10 +371,14 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
         # widened.
         lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
         stats = cp.empty((2, b, h, sq), _config.lse_dtype(q.dtype))   # D and lse in log2 units
-        use_atomics = q.dtype.name in _launch.TENSOR_CORE and not deterministic
-        dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_atomics else None
+        # dQ in an fp32 buffer, added to by every key block: in any order, or in key order
+        # where the Hopper pass runs deterministic=True (else dQ has a pass of its own).
+        use_buffer = q.dtype.name in _launch.TENSOR_CORE and (not deterministic or _launch.bwd_family(
+            spec, block_mask, q, k, v, out, dout, dq, dk, dv, deterministic=True) == "sm90")
+        dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_buffer else None
         _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
-                         block_mask, alibi_slopes, (seed, offset), [a for _, a in user], grads)
+                         block_mask, alibi_slopes, (seed, offset), [a for _, a in user], grads,
+                         deterministic=deterministic)
     if grads:
         return dq, dk, dv, {user[slot][0]: g for slot, g in grads.items()}
     return dq, dk, dv

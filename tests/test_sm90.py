@@ -304,3 +304,40 @@ def test_sm90_backward_matches_the_reference(case, dtype, request):
     out, lse = cf.flash_attention(q, k, v, softmax_scale=scale, return_lse=True, **kw)
     grads = cf.flash_attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kw)
     gpu_checks.check_backward(checked, dout, q, k, v, grads, scale, elem, out=out, lse=lse, **variant)
+
+
+# deterministic=True on the Hopper backward: dense and causal calls, every head-dim kernel,
+# GQA, more key blocks than one (their order is what is fixed) and tails.
+SM90_DETERMINISTIC_CASES = [
+    (2, 300, 700, 4, 2, 64, dict(causal=True)),
+    (1, 513, 1025, 4, 1, 96, {}),
+    (2, 257, 640, 2, 2, 128, dict(causal=True, softcap=5.0)),
+    (1, 300, 333, 2, 1, 256, dict(causal=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SM90_DETERMINISTIC_CASES,
+                         ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(sorted(c[6])))
+def test_sm90_deterministic_backward_repeats_bit_for_bit(case, request):
+    """Key blocks add dQ in key order: two runs give the same bits, and the reference's
+    values; a window or a block mask runs the generic deterministic pass instead."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    import gpu_checks
+    b, sq, sk, h, hk, d, kw = case
+    checked = gpu_checks.Case("bf16", sq, sk, d, kw.get("causal", False), batch=b, nheads=h, nheads_k=hk)
+    q, k, v, dout = gpu_checks.make_inputs(checked, gpu_checks.seed_of(request))
+    spec = _spec.CallSpec.of(q, causal=kw.get("causal", False), softcap=kw.get("softcap", 0.0))
+    assert _launch.bwd_family(spec, None, q, k, v, dout, deterministic=True) == "sm90"
+    windowed = _spec.CallSpec.of(q, causal=False, window_size=(64, 0))
+    assert _launch.bwd_family(windowed, None, q, k, v, dout, deterministic=True) == "generic"
+    scale = d ** -0.5
+    out, lse = cf.flash_attention(q, k, v, softmax_scale=scale, return_lse=True, **kw)
+    runs = [cf.flash_attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
+                                        deterministic=True, **kw) for _ in range(3)]
+    gpu_checks.assert_bit_identical_grads(runs[0], runs[1])
+    gpu_checks.assert_bit_identical_grads(runs[0], runs[2])
+    variant = {"softcap": kw["softcap"]} if "softcap" in kw else {}
+    gpu_checks.check_backward(checked, dout, q, k, v, runs[0], scale, out=out, lse=lse, **variant)
