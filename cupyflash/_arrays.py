@@ -237,7 +237,8 @@ class _TorchMalloc:
         self.cp, self.device = cp, device
 
     def __call__(self, size):
-        block = sys.modules["torch"].empty(size, dtype=sys.modules["torch"].uint8, device=self.device)
+        torch = sys.modules["torch"]
+        block = torch.empty(size, dtype=torch.uint8, device=self.device)
         memory = self.cp.cuda.UnownedMemory(block.data_ptr(), size, block)
         return self.cp.cuda.MemoryPointer(memory, 0)
 
