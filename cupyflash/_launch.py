@@ -426,8 +426,16 @@ def bwd_family(spec, block_mask, *arrays, deterministic=False):
     return "generic"
 
 
+def _row_map(x, dtype, rows):
+    """The tensor map of a (batch, seqlen, nheads, headdim) array for the Hopper kernels: one
+    copy brings 64 columns of ``rows`` rows of one head."""
+    b, _, h, d = x.shape
+    return _tma.tiled(x.data.ptr, dtype, (d, h, x.shape[1], b),
+                      (x.strides[2], x.strides[1], x.strides[0]), (64, 1, rows, 1))
+
+
 def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
-    b, sq, h, d = q.shape
+    b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
     keys = sm90_bwd_keys(hd)
@@ -442,8 +450,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
         order = cupy.zeros((b, h, _config.cdiv(sq, SM90_BWD_ROWS)), cupy.int32)
         tp["dq_order"] = order.data.ptr
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
-        tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
-                              (x.strides[2], x.strides[1], x.strides[0]), (64, 1, 64, 1))
+        tp[name] = _row_map(x, spec.dtype, 64)
     # K, V, two stages of Q and dO (64 rows); 128 x 64 tiles of dS^T (two steps') or 64 x 64
     # of P^T and dS^T (wide); eight warps' fp32 dQ stages (16 rows x hd / 2, or 32 columns
     # wide); 1 KB to align.
@@ -456,7 +463,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
 
 
 def _forward_sm90(p, q, k, v, out, spec, block_mask):
-    b, sq, h, d = q.shape
+    b, sq, h, _ = q.shape
     hd = sm90_headdim(spec.headdim)
     keys = sm90_fwd_keys(hd)
     if block_mask is not None:
@@ -466,9 +473,7 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask):
     tp["grid"] = _tile_grid(p, _config.cdiv(sq, SM90_FWD_ROWS), h, b, spec.causal)
     tp["base"] = p
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
-        tp[name] = _tma.tiled(x.data.ptr, spec.dtype, (d, x.shape[2], x.shape[1], b),
-                              (x.strides[2], x.strides[1], x.strides[0]),
-                              (64, 1, keys if name in ("k", "v") else 64, 1))
+        tp[name] = _row_map(x, spec.dtype, keys if name in ("k", "v") else 64)
     # Persistent (hd <= 128, cuda/fwd_sm90.cu): one block per SM at most, each taking tiles
     # of the grid from the counter; else one block per tile.
     blocks = int(np.prod(tp["grid"], dtype=np.int64))

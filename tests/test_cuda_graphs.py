@@ -88,14 +88,13 @@ def test_first_use_of_a_kernel_in_a_capture_is_refused_and_the_capture_survives(
     q, k, v, _ = gpu_checks.make_inputs(CASE, 21)
     cf.flash_attention(q, k, v, causal=True)
     _launch._kernel.cache_clear()          # as in a fresh process: nothing loaded yet
+    def first_use():
+        with pytest.raises(RuntimeError, match="compiles and loads it.*before capturing"):
+            cf.flash_attention(q, k, v, causal=True)
+
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        stream.begin_capture()
-        try:
-            with pytest.raises(RuntimeError, match="compiles and loads it.*before capturing"):
-                cf.flash_attention(q, k, v, causal=True)
-        finally:
-            graph = stream.end_capture()
+        _, graph = _capture(stream, first_use)
         graph.launch()                      # the capture was not invalidated
         stream.synchronize()
     cf.flash_attention(q, k, v, causal=True)   # loads it again outside the capture
@@ -105,16 +104,15 @@ def test_host_work_in_a_capture_is_refused_with_what_to_do():
     q, k, v, _ = gpu_checks.make_inputs(CASE, 31)
     fresh = masks.causal(CASE.sq, CASE.sk, 64)
     cf.flash_attention(q, k, v, block_mask=masks.causal(CASE.sq, CASE.sk, 64))  # kernels loaded
+    def host_work():
+        with pytest.raises(RuntimeError, match="lists .* copied to the device"):
+            cf.flash_attention(q, k, v, block_mask=fresh)
+        with pytest.raises(RuntimeError, match="BlockMask.from_mask_mod"):
+            cf.flash_attention(q, k, v, mask_mod=cf.MaskMod("q_idx >= kv_idx"))
+
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        stream.begin_capture()
-        try:
-            with pytest.raises(RuntimeError, match="lists .* copied to the device"):
-                cf.flash_attention(q, k, v, block_mask=fresh)
-            with pytest.raises(RuntimeError, match="BlockMask.from_mask_mod"):
-                cf.flash_attention(q, k, v, mask_mod=cf.MaskMod("q_idx >= kv_idx"))
-        finally:
-            stream.end_capture()
+        _capture(stream, host_work)
 
 
 def test_torch_cuda_graph_replays_a_training_step():
