@@ -175,13 +175,80 @@ __device__ __forceinline__ void dq_turn_end(int* counter, int lane) {
     if (threadIdx.x == 0) red_release_add(counter, 1);
 }
 
+// S^T = K Q^T and dP^T = V dO^T for a warpgroup's 64 keys (its K and V sub-tiles from k and
+// v) and N queries (the accumulators' size: 2 N floats each; from q_row0 of the Q and dO
+// chunks at q and dout, QChunk elements apart), k16 steps over Chunks chunks of 64 columns;
+// two groups committed, S^T's first.
+template <typename Elem, int Chunks, int QChunk, int N>
+__device__ __forceinline__ void issue_scores_t(float (&st)[N], float (&dpt)[N], const u16* k, const u16* v,
+                                               const u16* q, const u16* dout, int q_row0) {
+    constexpr int Sub = 64 * 64;
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < Chunks; ++c)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_ss<Elem>(st, sw128_desc(k + c * Sub, 32 * kk), sw128_desc(q + c * QChunk, 128 * q_row0 + 32 * kk),
+                           c + kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int c = 0; c < Chunks; ++c)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_ss<Elem>(dpt, sw128_desc(v + c * Sub, 32 * kk), sw128_desc(dout + c * QChunk, 128 * q_row0 + 32 * kk),
+                           c + kk > 0);
+    wgmma_commit();
+}
+
+// P^T = exp2(S^T * mult - lse) of a warp's S^T fragment (n8 tiles of queries; keys from key0,
+// queries from q0), through the score modifier and, where `masked`, the mask; each tile's four
+// probabilities go to sink(nt, pv), and st becomes dS^T's factor: P^T times the modifier's
+// gradient. lse_of(nt, j): lse (log2 units) of the thread's query column nt * 8 + 2t + j.
+template <typename V, int NT, typename LseOf, typename Sink>
+__device__ __forceinline__ void probs_t(float (&st)[1][NT][4], const ScoreMod<V, BwdParams>& mod,
+                                        const Mask<V, BwdParams>& mask, bool masked, int key0, int q0, int lane,
+                                        LseOf&& lse_of, Sink&& sink) {
+    if constexpr (V::Softcap) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[0][nt][e] = mod.held(st[0][nt][e]);
+    }
+    if (masked) mask_scores<true>(st, mask, key0, q0, lane);
+    using C = ScoreCoords<true>;
+    const float dist0 = mod.dist0(C(key0, q0, lane));
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        float pv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float x = mod.bias_at(dist0, C::ddiff(0, nt, e), st[0][nt][e]);
+            pv[e] = fast_exp2(fmaf(x, mod.mult(), -lse_of(nt, e & 1)));
+            st[0][nt][e] = pv[e] * mod.grad(st[0][nt][e]);
+        }
+        sink(nt, pv);
+    }
+}
+
+// dS^T = st (dP^T - D) of n8 tile nt of a warp's fragment (st from probs_t); its four values
+// go to sink(nt, ds). d_of(nt, j) as lse_of above.
+template <int NT, typename DOf, typename Sink>
+__device__ __forceinline__ void dscores_t(const float (&st)[1][NT][4], const float (&dpt)[1][NT][4], int nt,
+                                          DOf&& d_of, Sink&& sink) {
+    float ds[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ds[e] = st[0][nt][e] * (dpt[0][nt][e] - d_of(nt, e & 1));
+    sink(nt, ds);
+}
+
 // The fp32 dQ buffer's tile of rows row0.. (a multiple of 16) and column col (of 8) of head h.
 __device__ __forceinline__ float* dq_tile(const BwdParams& p, int b, int h, int row0, int col) {
     return p.dq_accum + (((static_cast<index_t>(b) * p.nheads + h) * (p.dq_accum_rows / 16) + row0 / 16)
                          * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
 }
 
-// The counter of query block m (of 64 rows) of head h (tp.dq_order: batch, nheads, blocks).
+// The counter of the query block from row 64 m of head h (tp.dq_order: batch, nheads, 64-row
+// blocks).
 __device__ __forceinline__ index_t dq_order_at(const BwdParams& p, int b, int h, int m) {
     return (static_cast<index_t>(b) * p.nheads + h) * ((p.seqlen_q + 63) / 64) + m;
 }
@@ -189,24 +256,31 @@ __device__ __forceinline__ index_t dq_order_at(const BwdParams& p, int b, int h,
 template <typename Elem, int HeadDim, typename V>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
-    constexpr int Bc = 128, Br = 64, Stages = 2, Consumers = 256;
-    constexpr int Halves = HeadDim / 64, Sub = 64 * 64, NT = Br / 8, DT = HeadDim / 8, DQ_N = HeadDim / 2;
+    // Br: queries per step. At d = 64, 128 (S^T and dP^T by m64n128: fewer shared-memory bytes
+    // per FLOP, half the steps); at 128, S^T and dP^T of 128 queries would not fit beside dK
+    // and dV. QSplit (Br = 128): each warpgroup's dQ is 64 of the queries x the whole head dim,
+    // else all 64 queries x half the head dim.
+    constexpr int Bc = 128, Br = HeadDim == 64 ? 128 : 64, Stages = 2, Consumers = 256;
+    constexpr bool QSplit = Br == 128;
+    constexpr int Halves = HeadDim / 64, Sub = 64 * 64, QChunk = Br * 64, NT = Br / 8, DT = HeadDim / 8;
+    constexpr int DQ_N = QSplit ? HeadDim : HeadDim / 2;   // the warpgroup's dQ columns
     static_assert(HeadDim == 64 || HeadDim == 128, "the dK and dV accumulators fit the registers up to 128");
     static_assert(!V::Dropout && !V::UserScore, "dropout and user score_mods run the generic backward");
     const BwdParams& p = tp.base;
 
-    // K and V (two warpgroups x Halves sub-tiles of 64 rows), Stages buffers of Q and of dO,
-    // two steps' dS^T (128 keys x 64 queries), then each consumer warp's fp32 dQ stage (16 rows
-    // x HeadDim / 2 in the buffer's tile order); 1024-byte aligned.
+    // K and V (two warpgroups x Halves sub-tiles of 64 rows), Stages buffers of Q and of dO
+    // (Halves chunks of Br rows x 64), two steps' dS^T (128 keys x Br queries: sub-tiles of 64
+    // x 64, the keys' halves of each 64 queries together), then each consumer warp's fp32 dQ
+    // stage (16 rows x DQ_N in the buffer's tile order); 1024-byte aligned.
     extern __shared__ unsigned char smem_raw[];
     __shared__ BwdSm90Barriers<Stages> bar;
     __shared__ float2 sstat[Stages][Br];   // (lse in log2 units, D) of each stage's rows
     u16* sK = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
     u16* sV = sK + 2 * Halves * Sub;
     u16* sQ = sV + 2 * Halves * Sub;
-    u16* sdO = sQ + Stages * Halves * Sub;
-    u16* sdSt = sdO + Stages * Halves * Sub;
-    float* sdQ = reinterpret_cast<float*>(sdSt + 4 * Sub);
+    u16* sdO = sQ + Stages * Halves * QChunk;
+    u16* sdSt = sdO + Stages * Halves * QChunk;
+    float* sdQ = reinterpret_cast<float*>(sdSt + 2 * 2 * Br * 64);
 
     // Causal: the first key blocks are seen by the most queries.
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
@@ -232,8 +306,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     const u16* myK = sK + wg * Halves * Sub;
     const u16* myV = sV + wg * Halves * Sub;
     float* mydQ = sdQ + warp * 16 * DQ_N;
-    // The warpgroup's dQ columns: a 64-wide chunk of K at d = 128, half of one at d = 64.
-    const int dq_chunk = HeadDim == 128 ? wg : 0, dq_byte0 = HeadDim == 128 ? 0 : 64 * wg;
+    // The warpgroup's dQ: its 64 queries (QSplit), or its columns, a 64-wide chunk of K at
+    // d = 128.
+    const int dq_q = QSplit ? wg : 0, dq_chunk = QSplit ? 0 : wg;
     ScoreMod<V, BwdParams> mod(p);
 
     float dk[1][DT][4], dv[1][DT][4];
@@ -249,86 +324,75 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
         mod.at_head(seq.b, h);
         mask.at_head(seq.b, h);
-        const u16* bQ = sQ + buf * Halves * Sub;
-        const u16* bdO = sdO + buf * Halves * Sub;
+        const u16* bQ = sQ + buf * Halves * QChunk;
+        const u16* bdO = sdO + buf * Halves * QChunk;
 
-        // S^T = K Q^T and dP^T = V dO^T: the warpgroup's 64 keys x 64 queries, k16 steps over
+        // S^T = K Q^T and dP^T = V dO^T: the warpgroup's 64 keys x Br queries, k16 steps over
         // the head dim.
         float st[1][NT][4], dpt[1][NT][4];
         float(&st_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st);
         float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
         mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
-        wgmma_fence();
-#pragma unroll
-        for (int c = 0; c < Halves; ++c)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss<Elem>(st_flat, sw128_desc(myK + c * Sub, 32 * kk), sw128_desc(bQ + c * Sub, 32 * kk), c + kk > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int c = 0; c < Halves; ++c)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss<Elem>(dpt_flat, sw128_desc(myV + c * Sub, 32 * kk), sw128_desc(bdO + c * Sub, 32 * kk), c + kk > 0);
-        wgmma_commit();
+        issue_scores_t<Elem, Halves, QChunk>(st_flat, dpt_flat, myK, myV, bQ, bdO, 0);
 
         // The (lse, D) pairs of the thread's query columns nt * 8 + 2t + j.
         auto stat = [&](int nt, int j) { return sstat[buf][nt * 8 + 2 * t + j]; };
-        wgmma_wait<1>();
-        wgmma_fence_operands(st_flat);
-        // P^T, and in st the factor of dS^T: P^T times the softcap's gradient factor.
-        if constexpr (V::Softcap) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[0][nt][e] = mod.held(st[0][nt][e]);
-        }
-        if (masked) mask_scores<true>(st, mask, col0 + key_w, m0, lane);
-        using C = ScoreCoords<true>;
-        const float dist0 = mod.dist0(C(col0 + key_w, m0, lane));
-        u32 pa[Br / 16][4];   // P^T as A fragments (keys x queries)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            float pv[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float x = mod.bias_at(dist0, C::ddiff(0, nt, e), st[0][nt][e]);
-                pv[e] = fast_exp2(fmaf(x, mod.mult(), -stat(nt, e & 1).x));
-                st[0][nt][e] = pv[e] * mod.grad(st[0][nt][e]);
-            }
+        // P^T and dS^T = P^T (dP^T - D) as A fragments (keys x queries); dS^T also into this
+        // step's dS^T tile of the warpgroup (128-byte swizzle, keys as rows: the transposed A
+        // operand of dS K). The tiles alternate between steps: the other warpgroup may still
+        // read the last ones. (Stores here and to the dQ stage by 32-bit shared address: a
+        // register each.)
+        u32 pa[Br / 16][4], dsa[Br / 16][4];
+        u16* dSt = sdSt + (g % 2) * 2 * Br * 64;
+        const u32 dSt_s = smem_addr(dSt);
+        auto lse_of = [&](int nt, int j) { return stat(nt, j).x; };
+        auto d_of = [&](int nt, int j) { return stat(nt, j).y; };
+        auto to_pa = [&](int nt, const float (&pv)[4]) {
             pa[nt / 2][2 * (nt % 2)] = pack2<Elem>(pv[0], pv[1]);
             pa[nt / 2][2 * (nt % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
-        }
-        // dV += P^T dO (B MN-major: 16 queries = 2048 bytes of a sub-tile) runs while dS^T is
-        // made.
-        wgmma_fence();
-#pragma unroll
-        for (int c = 0; c < Halves; ++c)
-#pragma unroll
-            for (int kk = 0; kk < Br / 16; ++kk)
-                wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
-                               sw128_desc(bdO + c * Sub, 2048 * kk), true);
-        wgmma_commit();
-        wgmma_wait<1>();
-        wgmma_fence_operands(dpt_flat);
-        // dS^T = P^T (dP^T - D), as A fragments and, for dQ, into this step's dS^T tile of the
-        // warpgroup (128-byte swizzle, keys as rows: the transposed A operand of dS K). The
-        // tiles alternate between steps: the other warpgroup may still read the last ones.
-        // (Stores here and to the dQ stage by 32-bit shared address: a register each.)
-        u16* dSt = sdSt + (g % 2) * 2 * Sub;
-        const u32 dSt_s = smem_addr(dSt);
-        u32 dsa[Br / 16][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            float ds[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ds[e] = st[0][nt][e] * (dpt[0][nt][e] - stat(nt, e & 1).y);
+        };
+        auto to_ds = [&](int nt, const float (&ds)[4]) {
             const u32 lo = pack2<Elem>(ds[0], ds[1]), hi = pack2<Elem>(ds[2], ds[3]);
             dsa[nt / 2][2 * (nt % 2)] = lo;
             dsa[nt / 2][2 * (nt % 2) + 1] = hi;
-            const int r = 64 * wg + 16 * wq + lane / 4, c = nt * 8 + 2 * t;
-            st_shared(dSt_s + 2 * swizzled_offset<64>(r, c), lo);
-            st_shared(dSt_s + 2 * swizzled_offset<64>(r + 8, c), hi);
+            const int r = 64 * wg + 16 * wq + lane / 4, c = nt % 8 * 8 + 2 * t;
+            const u32 tile = dSt_s + nt / 8 * 2 * 2 * Sub;   // the 64 queries' two sub-tiles
+            st_shared(tile + 2 * swizzled_offset<64>(r, c), lo);
+            st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), hi);
+        };
+        // dV += P^T dO (B MN-major: 16 queries = 2048 bytes of a chunk).
+        auto issue_dv = [&] {
+            wgmma_fence();
+#pragma unroll
+            for (int c = 0; c < Halves; ++c)
+#pragma unroll
+                for (int kk = 0; kk < Br / 16; ++kk)
+                    wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
+                                   sw128_desc(bdO + c * QChunk, 2048 * kk), true);
+            wgmma_commit();
+        };
+        if constexpr (QSplit) {
+            // S^T and dP^T of 128 queries hold 128 registers: P^T and dS^T are made tile by
+            // tile once both are in, each tile's accumulators dying as its fragments are made
+            // (P^T made while dP^T runs would hold P^T's fragments beside both).
+            wgmma_wait<0>();
+            wgmma_fence_operands(st_flat);
+            wgmma_fence_operands(dpt_flat);
+            probs_t(st, mod, mask, masked, col0 + key_w, m0, lane, lse_of, [&](int nt, const float (&pv)[4]) {
+                to_pa(nt, pv);
+                dscores_t(st, dpt, nt, d_of, to_ds);
+            });
+            issue_dv();
+        } else {
+            // P^T while dP^T runs, then dV while dS^T is made.
+            wgmma_wait<1>();
+            wgmma_fence_operands(st_flat);
+            probs_t(st, mod, mask, masked, col0 + key_w, m0, lane, lse_of, to_pa);
+            issue_dv();
+            wgmma_wait<1>();
+            wgmma_fence_operands(dpt_flat);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) dscores_t(st, dpt, nt, d_of, to_ds);
         }
         // dK += dS^T Q.
         wgmma_fence();
@@ -337,11 +401,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
             for (int kk = 0; kk < Br / 16; ++kk)
                 wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
-                               sw128_desc(bQ + c * Sub, 2048 * kk), true);
+                               sw128_desc(bQ + c * QChunk, 2048 * kk), true);
         wgmma_commit();
-        // dQ (64 queries x the warpgroup's half of the head dim) += dS K over all 128 keys of
-        // the block, once both warpgroups' dS^T tiles are in shared memory: half the fp32
-        // traffic of each warpgroup adding its own keys' share over the whole head dim.
+        // dQ (64 queries x DQ_N columns) += dS K over all 128 keys of the block, once both
+        // warpgroups' dS^T tiles are in shared memory: half the fp32 traffic of each warpgroup
+        // adding its own keys' share over the whole head dim.
         fence_proxy_async();
         named_bar_sync(6, Consumers);
         float dq[DQ_N / 2];
@@ -350,8 +414,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + kh * Sub, 2048 * kk),
-                                  sw128_desc(sK + (kh * Halves + dq_chunk) * Sub, 2048 * kk + dq_byte0), kh + kk > 0);
+                wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + (2 * dq_q + kh) * Sub, 2048 * kk),
+                                  sw128_desc(sK + (kh * Halves + dq_chunk) * Sub, 2048 * kk), kh + kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(dq);
@@ -360,10 +424,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         mbar_arrive(&bar.qd_empty[buf]);
         // Each warp's 16 rows into its own stage and the buffer: the warpgroup's columns, those
         // of them the buffer has (the bucket's: 96 in the 128 kernel, 32 in the 64 one).
-        int* order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / Br) : nullptr;
+        int* order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
         if (order) dq_turn_wait(order, n_tile);
-        add_dq_rows<DQ_N / 8>(dq_tile(p, seq.b, h, m0 + 16 * wq, wg * DQ_N), mydQ, dq,
-                              min(DQ_N / 8, p.dq_accum_cols / 8 - wg * DQ_N / 8), lane);
+        add_dq_rows<DQ_N / 8>(dq_tile(p, seq.b, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N), mydQ, dq,
+                              min(DQ_N / 8, p.dq_accum_cols / 8 - dq_chunk * DQ_N / 8), lane);
         if (order) dq_turn_end(order, lane);
     }
     if (lane == 0) bulk_wait<0>();
@@ -467,61 +531,28 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         float(&st_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st);
         float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
         mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
-        wgmma_fence();
-#pragma unroll
-        for (int c = 0; c < Chunks; ++c)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss<Elem>(st_flat, sw128_desc(sK + c * Sub, 32 * kk), sw128_desc(bQ + c * Sub, 128 * q_w + 32 * kk),
-                               c + kk > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int c = 0; c < Chunks; ++c)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss<Elem>(dpt_flat, sw128_desc(sV + c * Sub, 32 * kk), sw128_desc(bdO + c * Sub, 128 * q_w + 32 * kk),
-                               c + kk > 0);
-        wgmma_commit();
+        issue_scores_t<Elem, Chunks, Sub>(st_flat, dpt_flat, sK, sV, bQ, bdO, q_w);
 
         // P^T into its tile (keys as rows, K-major for dV's A operand), and in st the factor
         // of dS^T; the tiles are free: both warpgroups passed the end of the last step.
         auto stat = [&](int nt, int j) { return sstat[buf][q_w + nt * 8 + 2 * t + j]; };
         wgmma_wait<1>();
         wgmma_fence_operands(st_flat);
-        if constexpr (V::Softcap) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[0][nt][e] = mod.held(st[0][nt][e]);
-        }
-        if (masked) mask_scores<true>(st, mask, col0 + key_w, m0 + q_w, lane);
-        using C = ScoreCoords<true>;
-        const float dist0 = mod.dist0(C(col0 + key_w, m0 + q_w, lane));
         const int r = key_w + lane / 4;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            float pv[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float x = mod.bias_at(dist0, C::ddiff(0, nt, e), st[0][nt][e]);
-                pv[e] = fast_exp2(fmaf(x, mod.mult(), -stat(nt, e & 1).x));
-                st[0][nt][e] = pv[e] * mod.grad(st[0][nt][e]);
-            }
+        // A tile's four values of the thread into a 64 x 64 tile (keys as rows).
+        auto to_tile = [&](u32 tile, int nt, const float (&x)[4]) {
             const int c = q_w + nt * 8 + 2 * t;
-            st_shared(sPt_s + 2 * swizzled_offset<64>(r, c), pack2<Elem>(pv[0], pv[1]));
-            st_shared(sPt_s + 2 * swizzled_offset<64>(r + 8, c), pack2<Elem>(pv[2], pv[3]));
-        }
+            st_shared(tile + 2 * swizzled_offset<64>(r, c), pack2<Elem>(x[0], x[1]));
+            st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), pack2<Elem>(x[2], x[3]));
+        };
+        probs_t(st, mod, mask, masked, col0 + key_w, m0 + q_w, lane, [&](int nt, int j) { return stat(nt, j).x; },
+                [&](int nt, const float (&pv)[4]) { to_tile(sPt_s, nt, pv); });
         wgmma_wait<0>();
         wgmma_fence_operands(dpt_flat);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            float ds[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ds[e] = st[0][nt][e] * (dpt[0][nt][e] - stat(nt, e & 1).y);
-            const int c = q_w + nt * 8 + 2 * t;
-            st_shared(sdSt_s + 2 * swizzled_offset<64>(r, c), pack2<Elem>(ds[0], ds[1]));
-            st_shared(sdSt_s + 2 * swizzled_offset<64>(r + 8, c), pack2<Elem>(ds[2], ds[3]));
-        }
+        for (int nt = 0; nt < NT; ++nt)
+            dscores_t(st, dpt, nt, [&](int nt, int j) { return stat(nt, j).y; },
+                      [&](int nt, const float (&ds)[4]) { to_tile(sdSt_s, nt, ds); });
         fence_proxy_async();
         named_bar_sync(6, Consumers);   // both warpgroups' halves of P^T and dS^T are in
 

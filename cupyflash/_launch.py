@@ -382,7 +382,7 @@ BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base",
                             "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS, np.uint64],
                             "offsets": [i * _MAP for i in range(7)] + [_AFTER_BWD],
                             "itemsize": _config.cdiv(_AFTER_BWD + 8, 64) * 64})
-SM90_BWD_KEYS, SM90_BWD_ROWS = 128, 64
+SM90_BWD_KEYS = 128
 
 
 def sm90_bwd_headdim(bucket):
@@ -399,6 +399,12 @@ def sm90_bwd_keys(hd):
     return 64 if hd == 256 else SM90_BWD_KEYS
 
 
+def sm90_bwd_rows(hd):
+    """Query rows per step of the Hopper backward: 128 at head dim 64 (S^T and dP^T by wgmma
+    with 128 queries), 64 above (dK and dV take the registers)."""
+    return 128 if hd == 64 else 64
+
+
 def _hopper_allowed():
     """The current device is sm_90 and CUPYFLASH_KERNELS does not force the generic kernels."""
     import cupy
@@ -410,16 +416,18 @@ def bwd_family(spec, block_mask, *arrays, deterministic=False):
     """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward with dQ
     added by the copy engine into an fp32 buffer, else "generic". It covers fp16/bf16 with
     16-byte aligned rows, every head-dim bucket, every band, softcap, ALiBi and user
-    mask_mods, block masks whose blocks its tiles divide (64 queries x ``sm90_bwd_keys`` keys);
+    mask_mods, block masks whose blocks its tiles divide (``sm90_bwd_rows`` queries x
+    ``sm90_bwd_keys`` keys);
     dropout and user score_mods run the generic kernels. ``deterministic``: dense or causal
     calls only (the key blocks add dQ in key order, which is then every block's rank among a
     query block's visitors); a window or a block mask runs the generic deterministic pass."""
     if deterministic and (spec.local or block_mask is not None):
         return "generic"
-    keys = sm90_bwd_keys(sm90_bwd_headdim(spec.headdim))
+    hd = sm90_bwd_headdim(spec.headdim)
+    keys = sm90_bwd_keys(hd)
     if (_hopper_allowed() and spec.dtype in TENSOR_CORE
             and not (spec.dropout or spec.score_mod)
-            and (block_mask is None or (block_mask.block_q % SM90_BWD_ROWS == 0
+            and (block_mask is None or (block_mask.block_q % sm90_bwd_rows(hd) == 0
                                         and block_mask.block_k % keys == 0))
             and _vec_ok(*arrays)):
         return "sm90"
@@ -438,24 +446,24 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
-    keys = sm90_bwd_keys(hd)
+    keys, rows = sm90_bwd_keys(hd), sm90_bwd_rows(hd)
     if block_mask is not None:
-        _fill_lists(p, block_mask, SM90_BWD_ROWS, keys, spec.causal, kv=False, q=True)
-    _check_lists(p, "q_blocks", keys, SM90_BWD_ROWS)
+        _fill_lists(p, block_mask, rows, keys, spec.causal, kv=False, q=True)
+    _check_lists(p, "q_blocks", keys, rows)
     tp = np.zeros((), BWD_SM90_PARAMS)
     grid = _tile_grid(p, _config.cdiv(sk, keys), hk, b, spec.causal)
     tp["base"] = p
     if deterministic:
         import cupy
-        order = cupy.zeros((b, h, _config.cdiv(sq, SM90_BWD_ROWS)), cupy.int32)
+        order = cupy.zeros((b, h, _config.cdiv(sq, 64)), cupy.int32)   # per 64 rows
         tp["dq_order"] = order.data.ptr
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
-        tp[name] = _row_map(x, spec.dtype, 64)
-    # K, V, two stages of Q and dO (64 rows); 128 x 64 tiles of dS^T (two steps') or 64 x 64
-    # of P^T and dS^T (wide); eight warps' fp32 dQ stages (16 rows x hd / 2, or 32 columns
-    # wide); 1 KB to align.
-    smem = ((2 * keys + 4 * SM90_BWD_ROWS) * hd * 2 + 2 * keys * 64 * 2
-            + 8 * 16 * (32 if hd == 256 else hd // 2) * 4 + 1024)
+        tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
+    # K, V, two stages of Q and dO (`rows` rows); keys x rows tiles of dS^T (two steps') or 64
+    # x 64 of P^T and dS^T (wide); eight warps' fp32 dQ stages (16 rows x the warpgroup's dQ
+    # columns: hd at 128 rows, else hd / 2, or 32 at a time wide); 1 KB to align.
+    dq_cols = 32 if hd == 256 else hd if rows == 128 else hd // 2
+    smem = (2 * keys + 4 * rows) * hd * 2 + 2 * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
     name = (template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
             if hd == 256 else
             template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant()))
@@ -555,8 +563,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     if deterministic and (dq_accum is not None) != hopper:
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
     if dq_accum is not None and hopper:
-        if dq_accum.shape != (b, h, dq_accum.shape[2], hd) or dq_accum.shape[2] % SM90_BWD_ROWS:
-            raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {SM90_BWD_ROWS}-row "
+        step = sm90_bwd_rows(sm90_bwd_headdim(hd))
+        if dq_accum.shape != (b, h, dq_accum.shape[2], hd) or dq_accum.shape[2] % step:
+            raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
         _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic)
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), (_config.cdiv(sq, 16), h, b),

@@ -267,9 +267,13 @@ def test_what_the_hopper_forward_does_not_cover_runs_the_generic_kernels(what, m
 # The Hopper backward (cuda/bwd_sm90.cu) covers every head-dim bucket: its 64- and 128-column
 # kernels and, above 128, the 256-column one, dQ added for the bucket's columns only (32 of 64
 # at d = 24, 96 of 128, 160 and 224 of 256).
+# At d = 64 a step takes 128 queries (the dS^T tiles' two query halves, dQ split by queries).
 SM90_BWD_CASES = SM90_CASES + [
     (2, 150, 170, 4, 2, 24, dict(causal=True)),
     (2, 200, 129, 4, 2, 256, dict(causal=True, softcap=4.0)),
+    (1, 400, 300, 4, 2, 64, dict(block_mask="sliding")),
+    (1, 700, 900, 4, 2, 64, dict(window_size=(100, 30))),
+    (1, 260, 300, 2, 2, 64, dict(softcap=3.0, window_size=(64, 0))),
 ]
 
 
@@ -304,6 +308,20 @@ def test_sm90_backward_matches_the_reference(case, dtype, request):
     out, lse = cf.flash_attention(q, k, v, softmax_scale=scale, return_lse=True, **kw)
     grads = cf.flash_attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kw)
     gpu_checks.check_backward(checked, dout, q, k, v, grads, scale, elem, out=out, lse=lse, **variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, family", [(64, "generic"), (128, "sm90")])
+def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
+    """A step of the Hopper backward is 128 queries x 128 keys at d = 64, 64 queries above: a
+    BlockMask of 64-query blocks runs the generic backward at d = 64 only."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    q, k, v = (cupy.asarray(random_array(np, (1, 256, 2, d), np.float16, s)) for s in (1, 2, 3))
+    mask = cf.masks.sliding_window(256, 256, 1, block_size=(64, 128))
+    spec = _spec.CallSpec.of(q, causal=False, block_mask=mask)
+    assert _launch.bwd_family(spec, mask, q, k, v) == family
 
 
 # deterministic=True on the Hopper backward: dense and causal calls, every head-dim kernel,
