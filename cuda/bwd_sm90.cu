@@ -345,12 +345,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         u32 pa[Br / 16][4], dsa[Br / 16][4];
         u16* dSt = sdSt + (g % 2) * 2 * Br * 64;
         const u32 dSt_s = smem_addr(dSt);
-        auto lse_of = [&](int nt, int j) { return stat(nt, j).x; };
         auto d_of = [&](int nt, int j) { return stat(nt, j).y; };
-        auto to_pa = [&](int nt, const float (&pv)[4]) {
-            pa[nt / 2][2 * (nt % 2)] = pack2<Elem>(pv[0], pv[1]);
-            pa[nt / 2][2 * (nt % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
-        };
         auto to_ds = [&](int nt, const float (&ds)[4]) {
             const u32 lo = pack2<Elem>(ds[0], ds[1]), hi = pack2<Elem>(ds[2], ds[3]);
             dsa[nt / 2][2 * (nt % 2)] = lo;
@@ -360,48 +355,29 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
             st_shared(tile + 2 * swizzled_offset<64>(r, c), lo);
             st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), hi);
         };
-        // dV += P^T dO (B MN-major: 16 queries = 2048 bytes of a chunk).
-        auto issue_dv = [&] {
-            wgmma_fence();
-#pragma unroll
-            for (int c = 0; c < Halves; ++c)
-#pragma unroll
-                for (int kk = 0; kk < Br / 16; ++kk)
-                    wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
-                                   sw128_desc(bdO + c * QChunk, 2048 * kk), true);
-            wgmma_commit();
-        };
-        if constexpr (QSplit) {
-            // S^T and dP^T of 128 queries hold 128 registers: P^T and dS^T are made tile by
-            // tile once both are in, each tile's accumulators dying as its fragments are made
-            // (P^T made while dP^T runs would hold P^T's fragments beside both).
-            wgmma_wait<0>();
-            wgmma_fence_operands(st_flat);
-            wgmma_fence_operands(dpt_flat);
-            probs_t(st, mod, mask, masked, col0 + key_w, m0, lane, lse_of, [&](int nt, const float (&pv)[4]) {
-                to_pa(nt, pv);
-                dscores_t(st, dpt, nt, d_of, to_ds);
-            });
-            issue_dv();
-        } else {
-            // P^T while dP^T runs, then dV while dS^T is made.
-            wgmma_wait<1>();
-            wgmma_fence_operands(st_flat);
-            probs_t(st, mod, mask, masked, col0 + key_w, m0, lane, lse_of, to_pa);
-            issue_dv();
-            wgmma_wait<1>();
-            wgmma_fence_operands(dpt_flat);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) dscores_t(st, dpt, nt, d_of, to_ds);
-        }
-        // dK += dS^T Q.
+        // Tile by tile once both products are in, each tile's accumulators dying as its fragments
+        // are made: at d = 64 (128 queries) P^T made while dP^T ran, beside both accumulators,
+        // spilled; at d = 128 that order measured the same as this one.
+        wgmma_wait<0>();
+        wgmma_fence_operands(st_flat);
+        wgmma_fence_operands(dpt_flat);
+        probs_t(st, mod, mask, masked, col0 + key_w, m0, lane, [&](int nt, int j) { return stat(nt, j).x; },
+                [&](int nt, const float (&pv)[4]) {
+                    pa[nt / 2][2 * (nt % 2)] = pack2<Elem>(pv[0], pv[1]);
+                    pa[nt / 2][2 * (nt % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
+                    dscores_t(st, dpt, nt, d_of, to_ds);
+                });
+        // dV += P^T dO and dK += dS^T Q (B MN-major: 16 queries = 2048 bytes of a chunk).
         wgmma_fence();
 #pragma unroll
         for (int c = 0; c < Halves; ++c)
 #pragma unroll
-            for (int kk = 0; kk < Br / 16; ++kk)
+            for (int kk = 0; kk < Br / 16; ++kk) {
+                wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
+                               sw128_desc(bdO + c * QChunk, 2048 * kk), true);
                 wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
                                sw128_desc(bQ + c * QChunk, 2048 * kk), true);
+            }
         wgmma_commit();
         // dQ (64 queries x DQ_N columns) += dS K over all 128 keys of the block, once both
         // warpgroups' dS^T tiles are in shared memory: half the fp32 traffic of each warpgroup

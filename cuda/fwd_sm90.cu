@@ -5,19 +5,21 @@
 // fwd.cu: the key-block range, the score modifier, the mask, the online softmax and the
 // epilogue; wgmma's accumulators have mma.sync's per-warp layout, so they apply unchanged.
 //
-// Tiles are (query block of 128 rows, head, batch) of the grid of block_coord's order. At
+// Tiles are (query block of 64 x Groups rows, head, batch) of the grid of block_coord's order. At
 // HeadDim <= 128 the kernel is persistent: one thread block per SM takes tiles from a counter in
 // memory (blocks that draw short causal tiles take more of them); above, one block per tile.
-// Three warpgroups:
+// Groups + 1 warpgroups:
 // - the producer (the last warpgroup, its registers given back to the others): one thread
 //   issues the copies of each tile's Q and of its K and V blocks into Stages buffers, each
-//   buffer reused once both consumers have released it (the `empty` mbarriers), so the next
+//   buffer reused once every consumer has released it (the `empty` mbarriers), so the next
 //   tile's copies run while the consumers finish this one;
-// - two consumers of 64 rows each. A consumer issues S = Q K^T of block j, then O += P V of
+// - Groups consumers of 64 rows each (two; three at head dim 64 without a block mask, where
+//   a warpgroup's softmax per key block takes as long as its products and two left the tensor
+//   cores idle half the time). A consumer issues S = Q K^T of block j, then O += P V of
 //   block j - 1, and runs the softmax of block j while the second product is still running:
 //   the exponentials of one block overlap the tensor cores' work on the other (rescaling O
-//   waits for that product). The two consumers take turns issuing their products (named
-//   barriers), so that one's softmax runs while the other's products do, not both at once.
+//   waits for that product). The consumers take turns issuing their products, in a ring of
+//   named barriers, so that one's softmax runs while another's products do.
 //   O leaves through shared memory and a bulk tensor store: a stage of its own where shared
 //   memory allows (HeadDim <= 128, where the next tile's copies are landing), else the
 //   warpgroup's Q tile.
@@ -47,11 +49,12 @@ struct FwdSm90Params {
 template <int HeadDim>
 __host__ __device__ constexpr int sm90_fwd_keys() { return HeadDim <= 128 ? 128 : 64; }
 
-template <typename Elem, int HeadDim, typename V>
-__global__ void __launch_bounds__(384, 1)
+template <typename Elem, int HeadDim, typename V, int Groups>
+__global__ void __launch_bounds__(128 * (Groups + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
-    constexpr int Br = 128, Bc = sm90_fwd_keys<HeadDim>(), Stages = 2;
-    constexpr int Consumers = 256;
+    static_assert(Groups == 2 || (Groups == 3 && HeadDim == 64), "a third consumer fits at head dim 64");
+    constexpr int Br = 64 * Groups, Bc = sm90_fwd_keys<HeadDim>(), Stages = 2;
+    constexpr int Consumers = 128 * Groups;
     constexpr int Halves = HeadDim / 64;   // 64-column sub-tiles of a row block (one swizzle atom wide)
     constexpr int SubQ = 64 * 64, SubKV = Bc * 64;
     constexpr int NT = Bc / 8, DT = HeadDim / 8;
@@ -59,21 +62,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // Persistent where the producer's 40 registers leave the consumers enough: at HeadDim > 128
     // (O alone takes 128 of a consumer's registers) each block takes one tile and the producer,
     // with no counter to draw from, fits in 24.
+    // Three consumers share 65536 registers with the producer: 160 each, 32 for it.
     constexpr bool Persistent = HeadDim <= 128;
-    constexpr int ProducerRegs = Persistent ? 40 : 24, ConsumerRegs = Persistent ? 232 : 240;
+    constexpr int ProducerRegs = Groups == 3 ? 32 : Persistent ? 40 : 24;
+    constexpr int ConsumerRegs = Groups == 3 ? 160 : Persistent ? 232 : 240;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
     // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
     // registers of a second block per SM, and the kernel was slower than the generic one.
     static_assert(!V::Dropout, "no dropout in this kernel");
     const FwdParams& p = tp.base;
 
-    // Q (two warpgroups x Halves sub-tiles), Stages buffers of K and of V, O's stage (as Q);
+    // Q (Groups warpgroups x Halves sub-tiles), Stages buffers of K and of V, O's stage (as Q);
     // 1024-byte aligned.
     extern __shared__ unsigned char smem_raw[];
     __shared__ unsigned long long q_full, q_empty, k_full[Stages], v_full[Stages], k_empty[Stages], v_empty[Stages];
     __shared__ int tile_slot;   // the tile whose Q the producer loads: written before q_full's arrival
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
-    u16* sK = sQ + 2 * Halves * SubQ;
+    u16* sK = sQ + Groups * Halves * SubQ;
     u16* sV = sK + Stages * Halves * SubKV;
     u16* sO = OwnStage ? sV + Stages * Halves * SubKV : sQ;
 
@@ -120,12 +125,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             const int h = at.head, hk = h / p.group;
             mask.at_head(at.batch, h);
             const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
-            mbar_expect_bytes(&q_full, 2 * Halves * SubQ * 2);
-            for (int half = 0; half < 2; ++half)
+            mbar_expect_bytes(&q_full, Groups * Halves * SubQ * 2);
+            for (int part = 0; part < Groups; ++part)
                 for (int c = 0; c < Halves; ++c)
-                    tma_load_4d(sQ + (half * Halves + c) * SubQ, tp.q, 64 * c, h, at.tile * Br + 64 * half,
+                    tma_load_4d(sQ + (part * Halves + c) * SubQ, tp.q, 64 * c, h, at.tile * Br + 64 * part,
                                 at.batch, &q_full);
             w = next_tile();
+#pragma unroll 1
             for (int it = 0; it < kb.count; ++it, ++g) {
                 const int buf = g % Stages, n0 = kb.block(it) * Bc;
                 const unsigned reuse = (g / Stages - 1) & 1;   // the use that freed the buffer
@@ -192,13 +198,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             for (int r = 0; r < 4; ++r)
                 pa[kk][r] = pack2<Elem>(s[0][2 * kk + r / 2][2 * (r % 2)], s[0][2 * kk + r / 2][2 * (r % 2) + 1]);
     };
-    // Turns: warpgroup wg issues its products after bar.sync on barrier 2 + wg, then hands the
-    // turn to the other with bar.arrive on that one's barrier; warpgroup 0 goes first in each
-    // tile. Every sync pairs with one arrival (warpgroup 1 hands on no turn after its last
-    // products of a tile).
-    auto my_turn = [&]() { named_bar_sync(2 + wg, Consumers); };
+    // Turns: warpgroup wg issues its products after bar.sync on barrier 2 + wg (its 128
+    // threads and the 128 of the one before it, which arrive), then hands the turn to the next
+    // with bar.arrive on that one's barrier; warpgroup 0 goes first in each tile. Every sync
+    // pairs with one arrival (the last warpgroup hands on no turn after its last products of
+    // a tile, and starts each tile with the arrival that lets warpgroup 0 go).
+    auto my_turn = [&]() { named_bar_sync(2 + wg, 256); };
     auto hand_on = [&](bool last) {
-        if (!(last && wg == 1)) named_bar_arrive(3 - wg, Consumers);
+        if (!(last && wg == Groups - 1)) named_bar_arrive(2 + (wg + 1) % Groups, 256);
     };
 
     const bool store_thread = threadIdx.x % 128 == 0;   // issues its warpgroup's stores of O
@@ -236,7 +243,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 
         if (kb.count > 0) {
             float alpha[2];
-            if (wg == 1) named_bar_arrive(2, Consumers);
+            if (wg == Groups - 1) named_bar_arrive(2, 256);
             my_turn();
             issue_qk(g);
             hand_on(false);
@@ -269,12 +276,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         }
         g += kb.count;
 
-        // O through the warpgroup's stage (barrier 4 + wg: its 128 threads) to a bulk store.
+        // O through the warpgroup's stage (barrier 2 + Groups + wg: its 128 threads) to a bulk
+        // store.
+        const int own_bar = 2 + Groups + wg;
         if (OwnStage && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
-        named_bar_sync(4 + wg, 128);
+        named_bar_sync(own_bar, 128);
         fwd_stage_swizzled<Elem, 64>(p, seq, h, row0 + 64 * wg, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
         fence_proxy_async();
-        named_bar_sync(4 + wg, 128);
+        named_bar_sync(own_bar, 128);
         if (store_thread) {
 #pragma unroll
             for (int c = 0; c < Halves; ++c) tma_store_4d(tp.o, 64 * c, h, row0 + 64 * wg, at.batch, myO + c * SubQ);
@@ -282,7 +291,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             if (!OwnStage) bulk_wait_read<0>();
         }
         if (!OwnStage) {
-            named_bar_sync(4 + wg, 128);   // the store has read Q's tile: the next Q may land
+            named_bar_sync(own_bar, 128);   // the store has read Q's tile: the next Q may land
             release_q();
         }
     }

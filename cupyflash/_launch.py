@@ -4,6 +4,7 @@
 field for field (aligned NumPy dtypes: the C layout rules). Every launch goes to CuPy's
 current stream; nothing here synchronizes.
 """
+import dataclasses
 import functools
 import os
 
@@ -337,7 +338,7 @@ FWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "o", "base", "counter", "gr
                             "formats": [_tma.TMA_DESC] * 4 + [FWD_PARAMS, np.uint64, (np.int32, 3)],
                             "offsets": [0, _MAP, 2 * _MAP, 3 * _MAP, 4 * _MAP, _AFTER_MAPS, _AFTER_MAPS + 8],
                             "itemsize": _config.cdiv(_AFTER_MAPS + 8 + 12, 64) * 64})
-SM90_FWD_ROWS, SM90_FWD_THREADS = 128, 384
+SM90_BWD_THREADS = 384
 
 
 def sm90_headdim(bucket):
@@ -351,11 +352,22 @@ def sm90_fwd_keys(hd):
     return 128 if hd <= 128 else 64
 
 
-def sm90_fwd_smem(hd):
-    """Q (128 rows), two buffers of K and of V (sm90_fwd_keys rows each) and, for hd <= 128,
-    O's stage (as Q), 16-bit elements, and 1 KB to align them to 1024 bytes."""
-    own_stage = SM90_FWD_ROWS if hd <= 128 else 0
-    return (SM90_FWD_ROWS + 2 * 2 * sm90_fwd_keys(hd) + own_stage) * hd * 2 + 1024
+def sm90_fwd_groups(spec, block_mask):
+    """Consumer warpgroups of the Hopper forward (64 query rows each; cuda/fwd_sm90.cu's
+    Groups): three at head dim 64, where one warpgroup's softmax takes as long as its products,
+    except with a block mask (192-row tiles divide no mask block), softcap or user mods (their
+    registers do not fit the 160 a third consumer leaves); else two."""
+    plain = block_mask is None and not (spec.softcap or spec.user_mods)
+    return 3 if sm90_headdim(spec.headdim) == 64 and plain else 2
+
+
+def sm90_fwd_smem(hd, groups):
+    """Q (64 rows per consumer warpgroup), two buffers of K and of V (sm90_fwd_keys rows each)
+    and, for hd <= 128, O's stage (as Q), 16-bit elements, and 1 KB to align them to 1024
+    bytes."""
+    rows = 64 * groups
+    own_stage = rows if hd <= 128 else 0
+    return (rows + 2 * 2 * sm90_fwd_keys(hd) + own_stage) * hd * 2 + 1024
 
 
 def kernel_family(spec, block_mask, *arrays):
@@ -363,12 +375,12 @@ def kernel_family(spec, block_mask, *arrays):
     "generic" (the mma.sync and plain kernels, on every GPU). CUPYFLASH_KERNELS=generic forces
     the generic kernels (to compare the two on one GPU). The Hopper forward covers, so far:
     fp16/bf16 with 16-byte aligned rows (the copy engine's rule), every head-dim bucket, every
-    band, softcap, ALiBi and user mods, and block masks whose blocks its tiles divide
-    (SM90_FWD_ROWS x sm90_fwd_keys); the rest (dropout: slower there so far) runs the generic
+    band, softcap, ALiBi and user mods, and block masks whose blocks its tiles divide (128
+    queries x sm90_fwd_keys); the rest (dropout: slower there so far) runs the generic
     kernels."""
     if (_hopper_allowed() and spec.dtype in TENSOR_CORE
             and not spec.dropout
-            and (block_mask is None or (block_mask.block_q % SM90_FWD_ROWS == 0 and block_mask.block_k
+            and (block_mask is None or (block_mask.block_q % 128 == 0 and block_mask.block_k
                                         % sm90_fwd_keys(sm90_headdim(spec.headdim)) == 0))
             and _vec_ok(*arrays)):
         return "sm90"
@@ -467,18 +479,19 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
     name = (template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
             if hd == 256 else
             template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant()))
-    _launch("bwd_sm90.cu", name, grid, SM90_FWD_THREADS, smem, tp[()], spec.user_mods)
+    _launch("bwd_sm90.cu", name, grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods)
 
 
 def _forward_sm90(p, q, k, v, out, spec, block_mask):
     b, sq, h, _ = q.shape
     hd = sm90_headdim(spec.headdim)
-    keys = sm90_fwd_keys(hd)
+    keys, groups = sm90_fwd_keys(hd), sm90_fwd_groups(spec, block_mask)
+    rows = 64 * groups
     if block_mask is not None:
-        _fill_lists(p, block_mask, SM90_FWD_ROWS, keys, spec.causal, kv=True, q=False)
-    _check_lists(p, "kv_blocks", SM90_FWD_ROWS, keys)
+        _fill_lists(p, block_mask, rows, keys, spec.causal, kv=True, q=False)
+    _check_lists(p, "kv_blocks", rows, keys)
     tp = np.zeros((), FWD_SM90_PARAMS)
-    tp["grid"] = _tile_grid(p, _config.cdiv(sq, SM90_FWD_ROWS), h, b, spec.causal)
+    tp["grid"] = _tile_grid(p, _config.cdiv(sq, rows), h, b, spec.causal)
     tp["base"] = p
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         tp[name] = _row_map(x, spec.dtype, keys if name in ("k", "v") else 64)
@@ -490,9 +503,9 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask):
         counter = cupy.zeros((), np.int32)
         tp["counter"] = counter.data.ptr
         blocks = min(blocks, _sm_count())
-    name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant())
-    _launch("fwd_sm90.cu", name, (blocks, 1, 1), SM90_FWD_THREADS, sm90_fwd_smem(hd), tp[()],
-            spec.user_mods)
+    name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant(), groups)
+    _launch("fwd_sm90.cu", name, (blocks, 1, 1), 128 * (groups + 1), sm90_fwd_smem(hd, groups),
+            tp[()], spec.user_mods)
 
 
 def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, dropout=None,
@@ -638,9 +651,10 @@ def kernel_names(smem_limit, hopper=False):
                                          (1.0, True, 0.0), (0.0, False, 0.5))]
     if hopper:
         names["fwd_sm90.cu"] = [
-            template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant())
+            template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant(), groups)
             for d in TENSOR_CORE for hd in sorted({sm90_headdim(b) for b in _config.HEAD_DIM_BUCKETS})
-            for spec in variants if not spec.dropout]
+            for spec in variants if not spec.dropout
+            for groups in sorted({2, sm90_fwd_groups(dataclasses.replace(spec, headdim=hd), None)})]
         names["bwd_sm90.cu"] = [
             template_name("flash_bwd_sm90_kernel", ELEM[d], hd, spec.variant())
             for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout] + [

@@ -192,6 +192,7 @@ SM90_CASES = [
     (1, 1025, 300, 3, 3, 128, dict(causal=True)),    # the first rows see no key
     (2, 513, 513, 2, 1, 120, dict(causal=True)),
     (1, 700, 900, 4, 2, 128, dict(window_size=(100, 30))),
+    (1, 700, 900, 4, 2, 64, dict(window_size=(100, 30))),      # three consumers at d = 64
     (3, 1, 65, 2, 2, 128, {}),
     (2, 300, 257, 4, 2, 40, dict(causal=True)),      # bucket 64: a 64-column kernel, zeros past 40
     (1, 257, 300, 2, 2, 64, {}),
@@ -248,6 +249,20 @@ def test_sm90_forward_matches_the_reference(case, dtype):
     assert_rule("lse", lse, ref_lse, naive_lse, 2)
 
 
+@pytest.mark.parametrize("d, kw, groups", [
+    (64, {}, 3), (40, dict(causal=True, alibi=True), 3), (64, dict(softcap=2.0), 2),
+    (64, dict(block_mask=True), 2), (128, {}, 2), (256, {}, 2)])
+def test_hopper_forward_takes_three_consumers_at_d64(d, kw, groups):
+    """192-row tiles (three consumer warpgroups) at head dim 64, except where a block mask's
+    128-row blocks or softcap's registers need the two-consumer kernel."""
+    kw = dict(kw)
+    mask = cf.masks.causal(256, 256) if kw.pop("block_mask", False) else None
+    q = np.zeros((1, 256, 2, d), np.float16)
+    alibi = np.ones(2, np.float32) if kw.pop("alibi", False) else None
+    spec = _spec.CallSpec.of(q, causal=kw.pop("causal", False), alibi_slopes=alibi, block_mask=mask, **kw)
+    assert _launch.sm90_fwd_groups(spec, mask) == groups
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("what", ["dropout", "mask64", "unaligned", "forced"])
 def test_what_the_hopper_forward_does_not_cover_runs_the_generic_kernels(what, monkeypatch):
@@ -272,7 +287,6 @@ SM90_BWD_CASES = SM90_CASES + [
     (2, 150, 170, 4, 2, 24, dict(causal=True)),
     (2, 200, 129, 4, 2, 256, dict(causal=True, softcap=4.0)),
     (1, 400, 300, 4, 2, 64, dict(block_mask="sliding")),
-    (1, 700, 900, 4, 2, 64, dict(window_size=(100, 30))),
     (1, 260, 300, 2, 2, 64, dict(softcap=3.0, window_size=(64, 0))),
 ]
 
