@@ -131,11 +131,12 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
 // A warp's 16 rows x 8 * Tiles columns of dQ (fragments of n8 tiles) into its stage in the
 // buffer's tile order (register e of lane L of tile j at j * 128 + e * 32 + L), then added
 // into the buffer at the warp's first tile `gdq` by one bulk reduce-add of `valid` tiles;
-// lane 0 first waits until the last add has read the stage.
-template <int Tiles>
+// lane 0 first waits until the warp's adds but the last Pending have read their stages (the
+// stage's last add is older than those).
+template <int Tiles, int Pending = 0>
 __device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const float (&dq)[4 * Tiles], int valid,
                                             int lane) {
-    if (lane == 0) bulk_wait_read<0>();
+    if (lane == 0) bulk_wait_read<Pending>();
     __syncwarp();
     const u32 at = smem_addr(stage + lane);
 #pragma unroll
@@ -439,8 +440,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 // - P^T and dS^T of those queries through the shared pieces into shared memory (one tile of
 //   64 keys x 64 queries each, both warpgroups' halves), then, with both halves there:
 // - dV += P^T dO and dK += dS^T Q for the warpgroup's columns, both operands from shared
-//   memory; dQ (all 64 rows x the warpgroup's columns) = dS K, 32 columns at a time through
-//   each warp's stage and a bulk reduce-add, as in the kernel above.
+//   memory; dQ (all 64 rows x the warpgroup's columns) = dS K, 32 columns at a time, the
+//   product of the next chunk running while one is added (through a warp's stage and a bulk
+//   reduce-add, as in the kernel above). The stages alternate between the warp's own and a
+//   place in the step's Q tile, free once the warpgroup's dK product has read it, so that an
+//   add waits for the one before last to have read its stage, not for the last.
 // Shared memory: K and V (64 keys x 256), two stages of Q and dO (64 rows x 256), the P^T and
 // dS^T tiles and eight warps' dQ stages: 227 KB with the alignment, the most a block has.
 template <typename Elem, typename V>
@@ -498,7 +502,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
         mod.at_head(seq.b, h);
         mask.at_head(seq.b, h);
-        const u16* bQ = sQ + buf * Chunks * Sub;
+        u16* bQ = sQ + buf * Chunks * Sub;   // its sub-tile 2 wg also stages dQ (below)
         const u16* bdO = sdO + buf * Chunks * Sub;
 
         // S^T and dP^T for the warpgroup's 32 queries (rows q_w.. of the Q and dO sub-tiles:
@@ -546,26 +550,45 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         wgmma_commit();
         // dQ for the warpgroup's columns, DQ_COLS at a time: dS (queries x keys, from the dS^T
         // tile) K (keys x columns, half a sub-tile's row: 64 bytes in for the second half).
-        int* order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / Br) : nullptr;
-        if (order) dq_turn_wait(order, n_tile);
-#pragma unroll
-        for (int cc = 0; cc < HeadDim / 2 / DQ_COLS; ++cc) {
+        constexpr int NC = HeadDim / 2 / DQ_COLS;
+        float dq[2][DQ_COLS / 2];
+        auto issue_dq = [&](int cc) {
             const int col = HeadDim / 2 * wg + DQ_COLS * cc;
-            float dq[DQ_COLS / 2];
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < Bc / 16; ++kk)
-                wgmma_ss_tt<Elem>(dq, sw128_desc(sdSt, 2048 * kk), sw128_desc(sK + col / 64 * Sub, 2048 * kk + 2 * (col % 64)),
-                                  kk > 0);
+                wgmma_ss_tt<Elem>(dq[cc % 2], sw128_desc(sdSt, 2048 * kk),
+                                  sw128_desc(sK + col / 64 * Sub, 2048 * kk + 2 * (col % 64)), kk > 0);
             wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_fence_operands(dq);
-            add_dq_rows<DQ_COLS / 8>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), mydQ, dq,
-                                     min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
+        };
+        // Even chunks stage in the warp's part of the warpgroup's first Q sub-tile (2 wg: only
+        // its own dK product reads it after the barrier above), odd ones in its own stage.
+        float* qstage = reinterpret_cast<float*>(bQ + 2 * wg * Sub) + wq * 16 * DQ_COLS;
+        int* order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / Br) : nullptr;
+        if (order) dq_turn_wait(order, n_tile);
+        issue_dq(0);
+#pragma unroll
+        for (int cc = 0; cc < NC; ++cc) {
+            // The next chunk's product runs while this one is added; the first wait also has dV
+            // and dK done (Q's sub-tile free for the stage).
+            if (cc + 1 < NC) {
+                issue_dq(cc + 1);
+                wgmma_wait<1>();
+            } else {
+                wgmma_wait<0>();
+            }
+            wgmma_fence_operands(dq[cc % 2]);
+            const int col = HeadDim / 2 * wg + DQ_COLS * cc;
+            add_dq_rows<DQ_COLS / 8, 1>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), cc % 2 ? mydQ : qstage, dq[cc % 2],
+                                        min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
         }
         if (order) dq_turn_end(order, lane);
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
+        // The stage's Q and dO go back to the producer once the warp's adds from Q's tile (all
+        // but the last, from its own stage) have read it.
+        if (lane == 0) bulk_wait_read<1>();
+        __syncwarp();
         mbar_arrive(&bar.qd_empty[buf]);
         named_bar_sync(6, Consumers);   // both warpgroups are done with P^T and dS^T
     }
