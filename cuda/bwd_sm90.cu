@@ -132,10 +132,12 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
 // buffer's tile order (register e of lane L of tile j at j * 128 + e * 32 + L), then added
 // into the buffer at the warp's first tile `gdq` by one bulk reduce-add of `valid` tiles;
 // lane 0 first waits until the warp's adds but the last Pending have read their stages (the
-// stage's last add is older than those).
+// stage's last add is older than those). Nothing at all where no column is valid, so that
+// the adds a warp has issued are those of its valid chunks, in order.
 template <int Tiles, int Pending = 0>
 __device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const float (&dq)[4 * Tiles], int valid,
                                             int lane) {
+    if (valid <= 0) return;
     if (lane == 0) bulk_wait_read<Pending>();
     __syncwarp();
     const u32 at = smem_addr(stage + lane);
@@ -145,7 +147,7 @@ __device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const floa
         for (int e = 0; e < 4; ++e) st_shared(at + 4 * (j * SM90_DQ_TILE + e * 32), dq[4 * j + e]);
     fence_proxy_async();
     __syncwarp();
-    if (lane == 0 && valid > 0) {
+    if (lane == 0) {
         bulk_reduce_add_f32(gdq, stage, valid * SM90_DQ_TILE * 4);
         bulk_commit();
     }
@@ -551,6 +553,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         // dQ for the warpgroup's columns, DQ_COLS at a time: dS (queries x keys, from the dS^T
         // tile) K (keys x columns, half a sub-tile's row: 64 bytes in for the second half).
         constexpr int NC = HeadDim / 2 / DQ_COLS;
+        const int valid_chunks = min(NC, (p.dq_accum_cols - HeadDim / 2 * wg + DQ_COLS - 1) / DQ_COLS);
         float dq[2][DQ_COLS / 2];
         auto issue_dq = [&](int cc) {
             const int col = HeadDim / 2 * wg + DQ_COLS * cc;
@@ -585,9 +588,13 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         if (order) dq_turn_end(order, lane);
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
-        // The stage's Q and dO go back to the producer once the warp's adds from Q's tile (all
-        // but the last, from its own stage) have read it.
-        if (lane == 0) bulk_wait_read<1>();
+        // The stage's Q and dO go back to the producer once the warp's adds from Q's tile have
+        // read it: all but the last where the last valid chunk (those with columns in the
+        // buffer come first) is an odd one, from the warp's own stage.
+        if (lane == 0) {
+            if (valid_chunks % 2) bulk_wait_read<0>();
+            else bulk_wait_read<1>();
+        }
         __syncwarp();
         mbar_arrive(&bar.qd_empty[buf]);
         named_bar_sync(6, Consumers);   // both warpgroups are done with P^T and dS^T

@@ -98,9 +98,9 @@ __device__ __forceinline__ void stage_swizzled(u16* stage, int wrow, int lane, c
 // The forward for a kernel that stores O with the copy engine (the Hopper forward): O = acc /
 // l of the warp's 16 rows from wrow into a swizzled stage of Rows rows, lse of the valid rows
 // straight to memory. row0 is the stage's first row in the sequence.
-template <typename Elem, int Rows, int MT, int DT>
+template <typename Elem, int Rows, int MT, int DT, int Chains>
 __device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
-                                                   int wrow, int lane, OnlineSoftmax<2 * MT>& softmax, float mult,
+                                                   int wrow, int lane, OnlineSoftmax<2 * MT, Chains>& softmax, float mult,
                                                    const float (&acc)[MT][DT][4], u16* stage) {
     float inv_l[2 * MT], lse[2 * MT];
     softmax.finalize(mult, inv_l, lse);

@@ -224,7 +224,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[0][dt][e] = 0.f;
-        OnlineSoftmax<2> softmax;
+        OnlineSoftmax<2, 4> softmax;
         softmax.init();
         // Scores of block `it` (landed in s) to probabilities; true where O needs rescaling.
         auto softmax_step = [&](int it, float (&alpha)[2]) {

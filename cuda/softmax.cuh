@@ -9,8 +9,29 @@
 #pragma once
 #include "common.cuh"
 
+// op over get(0) .. get(N - 1) in Chains interleaved chains, then the chains combined: a
+// dependency chain of about N / Chains + 2 steps instead of N.
+template <int Chains, int N, typename Get, typename Op>
+__device__ __forceinline__ float chained_reduce(Get&& get, Op&& op) {
+    constexpr int C = Chains < N ? Chains : N;
+    float acc[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) acc[i] = get(i);
+#pragma unroll
+    for (int i = C; i < N; ++i) acc[i % C] = op(acc[i % C], get(i));
+#pragma unroll
+    for (int w = 1; w < C; w *= 2)
+#pragma unroll
+        for (int i = 0; i + w < C; i += 2 * w) acc[i] = op(acc[i], acc[i + w]);
+    return acc[0];
+}
+
 // Rows = the number of accumulator rows a thread holds (two per m16 tile of mma.sync).
-template <int Rows>
+// Chains > 1: a row's max and sum over a block in that many interleaved chains (the Hopper
+// forward, where one warp per scheduler runs its softmax while the other's products run and
+// the chains' latency shows); 1: element after element (the generic kernels, whose other
+// warps hide it).
+template <int Rows, int Chains = 1>
 struct OnlineSoftmax {
     float m[Rows];   // running max of the raw scores of the row
     float l[Rows];   // this thread's part of the running sum (quad-reduced in finalize)
@@ -65,10 +86,14 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int r = 2 * mt + hf;
+                auto pair_max = [&](int nt) { return fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]); };
                 float mx = m[r];
+                if constexpr (Chains == 1) {
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+                    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, pair_max(nt));
+                } else {
+                    mx = fmaxf(mx, chained_reduce<Chains, NT>(pair_max, [](float a, float b) { return fmaxf(a, b); }));
+                }
                 mx = quad_max(mx);
                 // A row that has seen no key yet keeps the base at 0, so exp2 gives 0, not NaN.
                 base[r] = mx == neg_inf() ? 0.f : mx * mult;
@@ -96,8 +121,17 @@ struct OnlineSoftmax {
                     const int r = 2 * mt + e / 2;
                     const float p = fast_exp2(fmaf(s[mt][nt][e], mult, -base[r]));
                     s[mt][nt][e] = p;
-                    l[r] += p;
+                    if constexpr (Chains == 1) l[r] += p;
                 }
+        if constexpr (Chains > 1) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+                    l[2 * mt + hf] += chained_reduce<Chains, NT>(
+                        [&](int nt) { return s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1]; },
+                        [](float a, float b) { return a + b; });
+        }
     }
 
     // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the
