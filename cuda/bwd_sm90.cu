@@ -132,12 +132,10 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
 // buffer's tile order (register e of lane L of tile j at j * 128 + e * 32 + L), then added
 // into the buffer at the warp's first tile `gdq` by one bulk reduce-add of `valid` tiles;
 // lane 0 first waits until the warp's adds but the last Pending have read their stages (the
-// stage's last add is older than those). Nothing at all where no column is valid, so that
-// the adds a warp has issued are those of its valid chunks, in order.
+// stage's last add is older than those).
 template <int Tiles, int Pending = 0>
 __device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const float (&dq)[4 * Tiles], int valid,
                                             int lane) {
-    if (valid <= 0) return;
     if (lane == 0) bulk_wait_read<Pending>();
     __syncwarp();
     const u32 at = smem_addr(stage + lane);
@@ -147,7 +145,7 @@ __device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const floa
         for (int e = 0; e < 4; ++e) st_shared(at + 4 * (j * SM90_DQ_TILE + e * 32), dq[4 * j + e]);
     fence_proxy_async();
     __syncwarp();
-    if (lane == 0) {
+    if (lane == 0 && valid > 0) {
         bulk_reduce_add_f32(gdq, stage, valid * SM90_DQ_TILE * 4);
         bulk_commit();
     }
@@ -581,9 +579,12 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
                 wgmma_wait<0>();
             }
             wgmma_fence_operands(dq[cc % 2]);
+            // Only chunks with columns in the buffer (the first valid_chunks) stage and add, so
+            // that the adds a warp has issued are those, in order.
             const int col = HeadDim / 2 * wg + DQ_COLS * cc;
-            add_dq_rows<DQ_COLS / 8, 1>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), cc % 2 ? mydQ : qstage, dq[cc % 2],
-                                        min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
+            if (cc < valid_chunks)
+                add_dq_rows<DQ_COLS / 8, 1>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), cc % 2 ? mydQ : qstage,
+                                            dq[cc % 2], min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
         }
         if (order) dq_turn_end(order, lane);
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
