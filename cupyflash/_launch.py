@@ -375,12 +375,13 @@ def kernel_family(spec, block_mask, *arrays):
     "generic" (the mma.sync and plain kernels, on every GPU). CUPYFLASH_KERNELS=generic forces
     the generic kernels (to compare the two on one GPU). The Hopper forward covers, so far:
     fp16/bf16 with 16-byte aligned rows (the copy engine's rule), every head-dim bucket, every
-    band, softcap, ALiBi and user mods, and block masks whose blocks its tiles divide (128
-    queries x sm90_fwd_keys); the rest (dropout: slower there so far) runs the generic
-    kernels."""
+    band, softcap, ALiBi and user mods, and block masks whose blocks its tiles divide (64 x
+    sm90_fwd_groups queries x sm90_fwd_keys); the rest (dropout: slower there so far) runs
+    the generic kernels."""
+    rows = 64 * sm90_fwd_groups(spec, block_mask)
     if (_hopper_allowed() and spec.dtype in TENSOR_CORE
             and not spec.dropout
-            and (block_mask is None or (block_mask.block_q % 128 == 0 and block_mask.block_k
+            and (block_mask is None or (block_mask.block_q % rows == 0 and block_mask.block_k
                                         % sm90_fwd_keys(sm90_headdim(spec.headdim)) == 0))
             and _vec_ok(*arrays)):
         return "sm90"
