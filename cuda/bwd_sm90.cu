@@ -1,8 +1,9 @@
 // The dK/dV pass of the backward for Hopper (sm_90a), with dQ added atomically (bwd.cu's
 // fp32 buffer and its convert kernel; bwd_preprocess_kernel has written D and lse in log2
 // units first). One thread block per (key block, kv head, batch) keeps dK and dV in registers
-// while it walks every query block of 64 rows of every query head of its group (BwdSteps), as
-// bwd.cu's pass does, with Hopper's units. Two kernels share the block's skeleton:
+// while it walks every query block (64 rows; 128 at head dim 64) of every query head of its
+// group (BwdSteps), as bwd.cu's pass does, with Hopper's units. Two kernels share the block's
+// skeleton:
 // - a producer warpgroup (bwd_sm90_produce, registers given back): one thread copies K and V
 //   once and Q and dO per query block into two stages (tensor maps, mbarriers; a stage is
 //   reused once every consumer thread has released it), one warp the rows' lse and D next to
@@ -13,10 +14,12 @@
 //   instead of atomics per element; dK and dV leave through K and V's tiles and bulk tensor
 //   stores.
 // flash_bwd_sm90_kernel (head dims 64 and 128): 128 keys, 64 per warpgroup. S^T = K Q^T and
-// dP^T = V dO^T from shared memory; P^T = exp2(S^T - lse), and dV += P^T dO from registers
-// running while dS^T = P^T (dP^T - D) is made; dK += dS^T Q likewise; dS^T to shared memory
-// (two steps' tiles, alternating), and once both warpgroups' tiles are there, dQ (64 queries x
-// half the head dim: the warpgroup's) += dS K over all 128 keys, both operands transposed.
+// dP^T = V dO^T from shared memory; then, tile by tile, P^T = exp2(S^T - lse) and dS^T = P^T
+// (dP^T - D) as A fragments, dS^T also to shared memory (two steps' tiles, alternating);
+// dV += P^T dO and dK += dS^T Q from registers; once both warpgroups' tiles are there, dQ +=
+// dS K over all 128 keys, both operands transposed, for 64 queries x half the head dim (the
+// warpgroup's) at d = 128, for the warpgroup's 64 of the 128 queries x the whole head dim at
+// d = 64.
 // flash_bwd_sm90_wide_kernel (head dim 256): see there.
 // The head dim is the bucket's rounded up (_launch.sm90_bwd_headdim): the copy engine fills
 // the columns past the real head dim with zeros, the stores clip them, and dQ is added for the
