@@ -187,21 +187,18 @@ template <typename Elem, int Chunks, int QChunk, int N>
 __device__ __forceinline__ void issue_scores_t(float (&st)[N], float (&dpt)[N], const u16* k, const u16* v,
                                                const u16* q, const u16* dout, int q_row0) {
     constexpr int Sub = 64 * 64;
+    auto issue = [&](float (&acc)[N], const u16* a, const u16* b) {
+#pragma unroll
+        for (int c = 0; c < Chunks; ++c)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                wgmma_ss<Elem>(acc, sw128_desc(a + c * Sub, 32 * kk), sw128_desc(b + c * QChunk, 128 * q_row0 + 32 * kk),
+                               c + kk > 0);
+        wgmma_commit();
+    };
     wgmma_fence();
-#pragma unroll
-    for (int c = 0; c < Chunks; ++c)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss<Elem>(st, sw128_desc(k + c * Sub, 32 * kk), sw128_desc(q + c * QChunk, 128 * q_row0 + 32 * kk),
-                           c + kk > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int c = 0; c < Chunks; ++c)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss<Elem>(dpt, sw128_desc(v + c * Sub, 32 * kk), sw128_desc(dout + c * QChunk, 128 * q_row0 + 32 * kk),
-                           c + kk > 0);
-    wgmma_commit();
+    issue(st, k, q);
+    issue(dpt, v, dout);
 }
 
 // P^T = exp2(S^T * mult - lse) of a warp's S^T fragment (n8 tiles of queries; keys from key0,
