@@ -14,9 +14,10 @@
 //   instead of atomics per element; dK and dV leave through K and V's tiles and bulk tensor
 //   stores.
 // flash_bwd_sm90_kernel (head dims 64 and 128): 128 keys, 64 per warpgroup. S^T = K Q^T and
-// dP^T = V dO^T from shared memory; then, tile by tile, P^T = exp2(S^T - lse) and dS^T = P^T
-// (dP^T - D) as A fragments, dS^T also to shared memory (two steps' tiles, alternating);
-// dV += P^T dO and dK += dS^T Q from registers; once both warpgroups' tiles are there, dQ +=
+// dP^T = V dO^T from shared memory; then, in four parts of the queries, P^T = exp2(S^T - lse)
+// and dS^T = P^T (dP^T - D) as A fragments, dS^T also to shared memory (two steps' tiles,
+// alternating), and dV += P^T dO and dK += dS^T Q from registers, each part's products
+// running while the next part is made; once both warpgroups' tiles are there, dQ +=
 // dS K over all 128 keys, both operands transposed, for 64 queries x half the head dim (the
 // warpgroup's) at d = 128, for the warpgroup's 64 of the 128 queries x the whole head dim at
 // d = 64.
@@ -357,29 +358,41 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
             st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), hi);
         };
         // Tile by tile once both products are in, each tile's accumulators dying as its fragments
-        // are made: at d = 64 (128 queries) P^T made while dP^T ran, beside both accumulators,
-        // spilled; at d = 128 that order measured the same as this one.
+        // are made (at d = 64, 128 queries, P^T made while dP^T ran, beside both accumulators,
+        // spilled), in four parts of the queries: dV and dK of a part run while the next part's
+        // fragments are made, so that the tensor cores do not wait for the whole tile's.
         wgmma_wait<0>();
         wgmma_fence_operands(st_flat);
         wgmma_fence_operands(dpt_flat);
-        probs_t(st, mod, mask, masked, col0 + key_w, m0, lane, [&](int nt, int j) { return stat(nt, j).x; },
-                [&](int nt, const float (&pv)[4]) {
-                    pa[nt / 2][2 * (nt % 2)] = pack2<Elem>(pv[0], pv[1]);
-                    pa[nt / 2][2 * (nt % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
-                    dscores_t(st, dpt, nt, d_of, to_ds);
-                });
-        // dV += P^T dO and dK += dS^T Q (B MN-major: 16 queries = 2048 bytes of a chunk).
-        wgmma_fence();
+        constexpr int Parts = 4, PT = NT / Parts;   // n8 tiles per part
 #pragma unroll
-        for (int c = 0; c < Halves; ++c)
+        for (int part = 0; part < Parts; ++part) {
+            const int nt0 = PT * part;
+            auto& st_p = reinterpret_cast<float(&)[1][PT][4]>(st[0][nt0]);
+            const auto& dpt_p = reinterpret_cast<const float(&)[1][PT][4]>(dpt[0][nt0]);
+            probs_t(st_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane,
+                    [&](int nt, int j) { return stat(nt0 + nt, j).x; },
+                    [&](int nt, const float (&pv)[4]) {
+                        const int n = nt0 + nt;
+                        pa[n / 2][2 * (n % 2)] = pack2<Elem>(pv[0], pv[1]);
+                        pa[n / 2][2 * (n % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
+                        dscores_t(st_p, dpt_p, nt, [&](int nt, int j) { return d_of(nt0 + nt, j); },
+                                  [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
+                    });
+            // dV += P^T dO and dK += dS^T Q over the part's queries (B MN-major: 16 queries =
+            // 2048 bytes of a chunk).
+            wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < Br / 16; ++kk) {
-                wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
-                               sw128_desc(bdO + c * QChunk, 2048 * kk), true);
-                wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
-                               sw128_desc(bQ + c * QChunk, 2048 * kk), true);
-            }
-        wgmma_commit();
+            for (int c = 0; c < Halves; ++c)
+#pragma unroll
+                for (int kk = nt0 / 2; kk < (nt0 + PT) / 2; ++kk) {
+                    wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
+                                   sw128_desc(bdO + c * QChunk, 2048 * kk), true);
+                    wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
+                                   sw128_desc(bQ + c * QChunk, 2048 * kk), true);
+                }
+            wgmma_commit();
+        }
         // dQ (64 queries x DQ_N columns) += dS K over all 128 keys of the block, once both
         // warpgroups' dS^T tiles are in shared memory: half the fp32 traffic of each warpgroup
         // adding its own keys' share over the whole head dim.
