@@ -453,18 +453,19 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 // - P^T and dS^T of those queries through the shared pieces into shared memory (one tile of
 //   64 keys x 64 queries each, both warpgroups' halves), then, with both halves there:
 // - dV += P^T dO and dK += dS^T Q for the warpgroup's columns, both operands from shared
-//   memory; dQ (all 64 rows x the warpgroup's columns) = dS K, 32 columns at a time, the
-//   product of the next chunk running while one is added (through a warp's stage and a bulk
-//   reduce-add, as in the kernel above). The stages alternate between the warp's own and a
-//   place in the step's Q tile, free once the warpgroup's dK product has read it, so that an
-//   add waits for the one before last to have read its stage, not for the last.
-// Shared memory: K and V (64 keys x 256), two stages of Q and dO (64 rows x 256), the P^T and
-// dS^T tiles and eight warps' dQ stages: 227 KB with the alignment, the most a block has.
+//   memory; dQ (all 64 rows x the warpgroup's columns) = dS K, 64 columns at a time (m64n64:
+//   dS is read from shared memory once per chunk), the second chunk's product running while
+//   the first is added (through a stage and a bulk reduce-add, as in the kernel above). The
+//   stages are the step's own Q and dO sub-tiles of the warpgroup's columns, free once its dK
+//   and dV products have read them; the step's Q and dO go back to the producer once the adds
+//   have read them.
+// Shared memory: K and V (64 keys x 256), two stages of Q and dO (64 rows x 256) and the P^T
+// and dS^T tiles: 209 KB with the alignment.
 template <typename Elem, typename V>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     constexpr int HeadDim = 256, Bc = 64, Br = 64, Stages = 2, Consumers = 256, Chunks = HeadDim / 64;
-    constexpr int Sub = 64 * 64, QW = Br / 2, NT = QW / 8, DT = HeadDim / 2 / 8, DQ_COLS = 32;
+    constexpr int Sub = 64 * 64, QW = Br / 2, NT = QW / 8, DT = HeadDim / 2 / 8, DQ_COLS = 64;
     static_assert(!V::Dropout && !V::UserScore, "dropout and user score_mods run the generic backward");
     const BwdParams& p = tp.base;
 
@@ -477,7 +478,6 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sdO = sQ + Stages * Chunks * Sub;
     u16* sPt = sdO + Stages * Chunks * Sub;
     u16* sdSt = sPt + Sub;
-    float* sdQ = reinterpret_cast<float*>(sdSt + Sub);
 
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
@@ -498,7 +498,6 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
     const int t = lane % 4, key_w = 16 * wq, q_w = QW * wg;   // the warp's first key, the warpgroup's first query
-    float* mydQ = sdQ + warp * 16 * DQ_COLS;
     const u32 sPt_s = smem_addr(sPt), sdSt_s = smem_addr(sdSt);
     ScoreMod<V, BwdParams> mod(p);
 
@@ -515,8 +514,8 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
         mod.at_head(seq.b, h);
         mask.at_head(seq.b, h);
-        u16* bQ = sQ + buf * Chunks * Sub;   // its sub-tile 2 wg also stages dQ (below)
-        const u16* bdO = sdO + buf * Chunks * Sub;
+        u16* bQ = sQ + buf * Chunks * Sub;   // its sub-tiles 2 wg and 2 wg + 1 also stage dQ (below),
+        u16* bdO = sdO + buf * Chunks * Sub;   // and so do dO's
 
         // S^T and dP^T for the warpgroup's 32 queries (rows q_w.. of the Q and dO sub-tiles:
         // 32 rows = 4096 bytes), over the head dim's four sub-tiles.
@@ -525,6 +524,13 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
         mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
         issue_scores_t<Elem, Chunks, Sub>(st_flat, dpt_flat, sK, sV, bQ, bdO, q_w);
+        // The step before's Q and dO go back to the producer once the warp's adds from them
+        // (the dQ stages) have read them: waited for here, behind this step's products.
+        if (g > 0) {
+            if (lane == 0) bulk_wait_read<0>();
+            __syncwarp();
+            mbar_arrive(&bar.qd_empty[(g - 1) % Stages]);
+        }
 
         // P^T into its tile (keys as rows, K-major for dV's A operand), and in st the factor
         // of dS^T; the tiles are free: both warpgroups passed the end of the last step.
@@ -562,7 +568,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
             }
         wgmma_commit();
         // dQ for the warpgroup's columns, DQ_COLS at a time: dS (queries x keys, from the dS^T
-        // tile) K (keys x columns, half a sub-tile's row: 64 bytes in for the second half).
+        // tile) K (keys x columns: sub-tile 2 wg + cc).
         constexpr int NC = HeadDim / 2 / DQ_COLS;
         const int valid_chunks = min(NC, (p.dq_accum_cols - HeadDim / 2 * wg + DQ_COLS - 1) / DQ_COLS);
         float dq[2][DQ_COLS / 2];
@@ -572,19 +578,20 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
             for (int kk = 0; kk < Bc / 16; ++kk)
                 wgmma_ss_tt<Elem>(dq[cc % 2], sw128_desc(sdSt, 2048 * kk),
-                                  sw128_desc(sK + col / 64 * Sub, 2048 * kk + 2 * (col % 64)), kk > 0);
+                                  sw128_desc(sK + col / 64 * Sub, 2048 * kk), kk > 0);
             wgmma_commit();
         };
-        // Even chunks stage in the warp's part of the warpgroup's first Q sub-tile (2 wg: only
-        // its own dK product reads it after the barrier above), odd ones in its own stage.
-        float* qstage = reinterpret_cast<float*>(bQ + 2 * wg * Sub) + wq * 16 * DQ_COLS;
+        // Chunk 0 stages in the warp's part of the warpgroup's Q sub-tiles (2 wg and 2 wg + 1:
+        // after the barrier above only its own dK product reads them), chunk 1 in its dO ones.
+        float* stage[NC] = {reinterpret_cast<float*>(bQ + 2 * wg * Sub) + wq * 16 * DQ_COLS,
+                            reinterpret_cast<float*>(bdO + 2 * wg * Sub) + wq * 16 * DQ_COLS};
         int* order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / Br) : nullptr;
         if (order) dq_turn_wait(order, n_tile);
         issue_dq(0);
 #pragma unroll
         for (int cc = 0; cc < NC; ++cc) {
             // The next chunk's product runs while this one is added; the first wait also has dV
-            // and dK done (Q's sub-tile free for the stage).
+            // and dK done (the stages free).
             if (cc + 1 < NC) {
                 issue_dq(cc + 1);
                 wgmma_wait<1>();
@@ -592,25 +599,16 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
                 wgmma_wait<0>();
             }
             wgmma_fence_operands(dq[cc % 2]);
-            // Only chunks with columns in the buffer (the first valid_chunks) stage and add, so
-            // that the adds a warp has issued are those, in order.
+            // Only chunks with columns in the buffer (the first valid_chunks) add. The stages
+            // are the step's own: no add of the steps before reads them.
             const int col = HeadDim / 2 * wg + DQ_COLS * cc;
             if (cc < valid_chunks)
-                add_dq_rows<DQ_COLS / 8, 1>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), cc % 2 ? mydQ : qstage,
-                                            dq[cc % 2], min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
+                add_dq_rows<DQ_COLS / 8, NC>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), stage[cc], dq[cc % 2],
+                                             min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
         }
         if (order) dq_turn_end(order, lane);
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
-        // The stage's Q and dO go back to the producer once the warp's adds from Q's tile have
-        // read it: all but the last where the last valid chunk (those with columns in the
-        // buffer come first) is an odd one, from the warp's own stage.
-        if (lane == 0) {
-            if (valid_chunks % 2) bulk_wait_read<0>();
-            else bulk_wait_read<1>();
-        }
-        __syncwarp();
-        mbar_arrive(&bar.qd_empty[buf]);
         named_bar_sync(6, Consumers);   // both warpgroups are done with P^T and dS^T
     }
     if (lane == 0) bulk_wait<0>();

@@ -474,8 +474,9 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
         tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
     # K, V, two stages of Q and dO (`rows` rows); keys x rows tiles of dS^T (two steps') or 64
     # x 64 of P^T and dS^T (wide); eight warps' fp32 dQ stages (16 rows x the warpgroup's dQ
-    # columns: hd at 128 rows, else hd / 2, or 32 at a time wide); 1 KB to align.
-    dq_cols = 32 if hd == 256 else hd if rows == 128 else hd // 2
+    # columns: hd at 128 rows, else hd / 2; none wide, whose stages are in Q and dO's tiles);
+    # 1 KB to align.
+    dq_cols = 0 if hd == 256 else hd if rows == 128 else hd // 2
     smem = (2 * keys + 4 * rows) * hd * 2 + 2 * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
     name = (template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
             if hd == 256 else
