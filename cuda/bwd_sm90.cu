@@ -552,21 +552,27 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         for (int nt = 0; nt < NT; ++nt)
             dscores_t(st, dpt, nt, [&](int nt, int j) { return stat(nt, j).y; },
                       [&](int nt, const float (&ds)[4]) { to_tile(sdSt_s, nt, ds); });
+        // dV += P^T dO and dK += dS^T Q for the warpgroup's columns (sub-tiles 2 wg and 2 wg + 1),
+        // over the queries of half `half` of the tiles (that warpgroup's): its own half first,
+        // while the other warpgroup may still be making its half.
+        auto issue_dkdv = [&](int half) {
+            wgmma_fence();
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                for (int kk = QW / 16 * half; kk < QW / 16 * (half + 1); ++kk) {
+                    wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * hf]), sw128_desc(sPt, 32 * kk),
+                                      sw128_desc(bdO + (2 * wg + hf) * Sub, 2048 * kk), true);
+                    wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * hf]), sw128_desc(sdSt, 32 * kk),
+                                      sw128_desc(bQ + (2 * wg + hf) * Sub, 2048 * kk), true);
+                }
+            wgmma_commit();
+        };
         fence_proxy_async();
-        named_bar_sync(6, Consumers);   // both warpgroups' halves of P^T and dS^T are in
-
-        // dV += P^T dO and dK += dS^T Q for the warpgroup's columns: sub-tiles 2 wg and 2 wg + 1.
-        wgmma_fence();
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-            for (int kk = 0; kk < Br / 16; ++kk) {
-                wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * hf]), sw128_desc(sPt, 32 * kk),
-                                  sw128_desc(bdO + (2 * wg + hf) * Sub, 2048 * kk), true);
-                wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * hf]), sw128_desc(sdSt, 32 * kk),
-                                  sw128_desc(bQ + (2 * wg + hf) * Sub, 2048 * kk), true);
-            }
-        wgmma_commit();
+        named_bar_sync(4 + wg, 128);   // the warpgroup's half of P^T and dS^T is in
+        issue_dkdv(wg);
+        named_bar_sync(6, Consumers);   // and the other's
+        issue_dkdv(1 - wg);
         // dQ for the warpgroup's columns, DQ_COLS at a time: dS (queries x keys, from the dS^T
         // tile) K (keys x columns: sub-tile 2 wg + cc).
         constexpr int NC = HeadDim / 2 / DQ_COLS;
