@@ -63,6 +63,9 @@ __global__ void __launch_bounds__(PREPROCESS_WARPS * 32) bwd_preprocess_kernel(c
 // the 32 lanes adding one register write 128 contiguous bytes, one memory line, where a
 // row-major buffer spreads them over 8 rows. Tile (rt, ct) of (b, h) starts at float
 // (((b * nheads + h) * (dq_accum_rows / 16) + rt) * (dq_accum_cols / 8) + ct) * DQ_TILE.
+// The Hopper pass (bwd_sm90.cu) adds whole tiles by the copy engine from a stage that each
+// thread fills with one 16-byte store per tile: its tiles are lane-major (register e of lane
+// L at L * 4 + e).
 constexpr int DQ_TILE = 16 * 8;
 
 // The thread's lane in tile (rt, 0) of (b, h).
@@ -73,8 +76,8 @@ __device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, int b, int h,
 
 // grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads,
 // 16 x (dq_accum_cols + 1) floats of shared memory: one strip of 16 rows, read in tile order,
-// written row by row.
-template <typename Elem>
+// written row by row. LaneMajor: the Hopper pass's tiles.
+template <typename Elem, bool LaneMajor>
 __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p) {
     extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
     const SeqInfo<BwdParams> seq(p, blockIdx.z);
@@ -82,7 +85,7 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     const int cols = p.dq_accum_cols, ld = cols + 1;
     const float* src = dq_tile_lane(p, seq.b, h, blockIdx.x, 0);
     for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
-        const int e = j / 32 % 4, lane = j % 32;
+        const int e = LaneMajor ? j % 4 : j / 32 % 4, lane = LaneMajor ? j / 4 % 32 : j % 32;
         const int r = lane / 4 + (e >> 1) * 8, c = j / DQ_TILE * 8 + lane % 4 * 2 + (e & 1);
         strip[r * ld + c] = src[j];
     }

@@ -41,7 +41,8 @@ struct BwdSm90Params {
     int* dq_order;   // deterministic dQ: one counter per (batch, head, query block); else null
 };
 
-// bwd.cu's dQ buffer: tiles of 16 rows x 8 columns, register e of lane L at e * 32 + L.
+// bwd.cu's dQ buffer: tiles of 16 rows x 8 columns, lane-major here (register e of lane L
+// at L * 4 + e: one 16-byte store per tile and thread into a stage).
 constexpr int SM90_DQ_TILE = 16 * 8;
 
 // The steps of a dK/dV block (key tile n_tile of kv head hk, Bc keys): (query head of the
@@ -133,7 +134,7 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
 }
 
 // A warp's 16 rows x 8 * Tiles columns of dQ (fragments of n8 tiles) into its stage in the
-// buffer's tile order (register e of lane L of tile j at j * 128 + e * 32 + L), then added
+// buffer's tile order (register e of lane L of tile j at j * 128 + L * 4 + e), then added
 // into the buffer at the warp's first tile `gdq` by one bulk reduce-add of `valid` tiles;
 // lane 0 first waits until the warp's adds but the last Pending have read their stages (the
 // stage's last add is older than those).
@@ -142,11 +143,10 @@ __device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const floa
                                             int lane) {
     if (lane == 0) bulk_wait_read<Pending>();
     __syncwarp();
-    const u32 at = smem_addr(stage + lane);
+    const u32 at = smem_addr(stage + 4 * lane);
 #pragma unroll
     for (int j = 0; j < Tiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st_shared(at + 4 * (j * SM90_DQ_TILE + e * 32), dq[4 * j + e]);
+        st_shared(at + 4 * j * SM90_DQ_TILE, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
     fence_proxy_async();
     __syncwarp();
     if (lane == 0 && valid > 0) {

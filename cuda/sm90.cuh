@@ -58,6 +58,9 @@ __device__ __forceinline__ void st_shared(u32 addr, u32 v) {
 __device__ __forceinline__ void st_shared(u32 addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared(u32 addr, float a, float b, float c, float d) {   // 16-byte aligned
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 
 // ---- Counters in global memory between blocks, at GPU scope.
 __device__ __forceinline__ int ld_acquire(const int* p) {

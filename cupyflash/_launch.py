@@ -583,7 +583,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
         _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic)
-        _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), (_config.cdiv(sq, 16), h, b),
+        _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True), (_config.cdiv(sq, 16), h, b),
                 DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
@@ -619,7 +619,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
             _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, causal), 32 * t.warps,
                     smem, p[()], spec.user_mods)
         else:
-            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem), (_config.cdiv(sq, 16), h, b),
+            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, False), (_config.cdiv(sq, 16), h, b),
                     DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
     else:
         if block_mask is not None:
@@ -665,7 +665,7 @@ def kernel_names(smem_limit, hopper=False):
     for elem in ELEM.values():
         names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
     for elem in (ELEM[d] for d in TENSOR_CORE):
-        names["bwd.cu"].append(template_name("bwd_convert_dq_kernel", elem))
+        names["bwd.cu"] += [template_name("bwd_convert_dq_kernel", elem, hopper) for hopper in (False, True)]
     every = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
     dense = [(_config.MAX_BLOCK, _config.MAX_BLOCK)]   # the tiles of dense calls
     # Every band with every score modifier (softcap, ALiBi, both) and with dropout (alone: not
