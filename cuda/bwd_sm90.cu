@@ -9,10 +9,9 @@
 //   reused once every consumer thread has released it), one warp the rows' lse and D next to
 //   them;
 // - two consumer warpgroups that multiply by wgmma, with the mask and score modifier of the
-//   shared pieces, and add dQ through each warp's fp32 stage in the buffer's tile order (the
-//   accumulators have that layout) by bulk reduce-adds of the copy engine (add_dq_rows),
-//   instead of atomics per element; dK and dV leave through K and V's tiles and bulk tensor
-//   stores.
+//   shared pieces, and add dQ through each warp's fp32 stage in the buffer's tile order by
+//   bulk reduce-adds of the copy engine (stage_dq_rows, push_dq_rows), instead of atomics per
+//   element; dK and dV leave through K and V's tiles and bulk tensor stores.
 // flash_bwd_sm90_kernel (head dims 64 and 128): 128 keys, 64 per warpgroup. S^T = K Q^T and
 // dP^T = V dO^T from shared memory; then, in four parts of the queries, P^T = exp2(S^T - lse)
 // and dS^T = P^T (dP^T - D) as A fragments, dS^T also to shared memory (two steps' tiles,
@@ -20,7 +19,8 @@
 // running while the next part is made; once both warpgroups' tiles are there, dQ +=
 // dS K over all 128 keys, both operands transposed, for 64 queries x half the head dim (the
 // warpgroup's) at d = 128, for the warpgroup's 64 of the 128 queries x the whole head dim at
-// d = 64.
+// d = 64. A step's dQ is staged at its end and pushed to the buffer in the next step, once
+// that step's S^T and dP^T are issued: the fence and the add then wait under its products.
 // flash_bwd_sm90_wide_kernel (head dim 256): see there.
 // The head dim is the bucket's rounded up (_launch.sm90_bwd_headdim): the copy engine fills
 // the columns past the real head dim with zeros, the stores clip them, and dQ is added for the
@@ -134,25 +134,33 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
 }
 
 // A warp's 16 rows x 8 * Tiles columns of dQ (fragments of n8 tiles) into its stage in the
-// buffer's tile order (register e of lane L of tile j at j * 128 + L * 4 + e), then added
-// into the buffer at the warp's first tile `gdq` by one bulk reduce-add of `valid` tiles;
-// lane 0 first waits until the warp's adds but the last Pending have read their stages (the
-// stage's last add is older than those).
-template <int Tiles, int Pending = 0>
-__device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const float (&dq)[4 * Tiles], int valid,
-                                            int lane) {
+// buffer's tile order (register e of lane L of tile j at j * 128 + L * 4 + e); lane 0 first
+// waits until the warp's adds but the last Pending have read their stages (the stage's last
+// add is older than those).
+template <int Tiles, int Pending>
+__device__ __forceinline__ void stage_dq_rows(float* stage, const float (&dq)[4 * Tiles], int lane) {
     if (lane == 0) bulk_wait_read<Pending>();
     __syncwarp();
     const u32 at = smem_addr(stage + 4 * lane);
 #pragma unroll
     for (int j = 0; j < Tiles; ++j)
         st_shared(at + 4 * j * SM90_DQ_TILE, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+}
+// The stage then added into the buffer at the warp's first tile `gdq` by one bulk reduce-add
+// of `valid` tiles.
+__device__ __forceinline__ void push_dq_rows(float* gdq, const float* stage, int valid, int lane) {
     fence_proxy_async();
     __syncwarp();
     if (lane == 0 && valid > 0) {
         bulk_reduce_add_f32(gdq, stage, valid * SM90_DQ_TILE * 4);
         bulk_commit();
     }
+}
+template <int Tiles, int Pending = 0>
+__device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const float (&dq)[4 * Tiles], int valid,
+                                            int lane) {
+    stage_dq_rows<Tiles, Pending>(stage, dq, lane);
+    push_dq_rows(gdq, stage, valid, lane);
 }
 
 // Deterministic dQ (tp.dq_order set; dense or causal calls): the key blocks add into a query
@@ -319,6 +327,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) { dk[0][i][e] = 0.f; dv[0][i][e] = 0.f; }
 
+    // The dQ of the step before, staged: where it goes and its turn (deterministic).
+    float* gdq = nullptr;
+    int* order = nullptr;
+    const int dq_valid = min(DQ_N / 8, p.dq_accum_cols / 8 - dq_chunk * DQ_N / 8);
+    auto push_dq = [&]() {
+        if (order) dq_turn_wait(order, n_tile);
+        push_dq_rows(gdq, mydQ, dq_valid, lane);
+        if (order) dq_turn_end(order, lane);
+    };
     mbar_wait(&bar.kv_full, 0);
     int g = 0;
     for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
@@ -336,6 +353,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
         mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
         issue_scores_t<Elem, Halves, QChunk>(st_flat, dpt_flat, myK, myV, bQ, bdO, 0);
+        if (g > 0) push_dq();   // the step before's, behind this step's products
 
         // The (lse, D) pairs of the thread's query columns nt * 8 + 2t + j.
         auto stat = [&](int nt, int j) { return sstat[buf][nt * 8 + 2 * t + j]; };
@@ -412,14 +430,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
         mbar_arrive(&bar.qd_empty[buf]);
-        // Each warp's 16 rows into its own stage and the buffer: the warpgroup's columns, those
-        // of them the buffer has (the bucket's: 96 in the 128 kernel, 32 in the 64 one).
-        int* order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
-        if (order) dq_turn_wait(order, n_tile);
-        add_dq_rows<DQ_N / 8>(dq_tile(p, seq.b, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N), mydQ, dq,
-                              min(DQ_N / 8, p.dq_accum_cols / 8 - dq_chunk * DQ_N / 8), lane);
-        if (order) dq_turn_end(order, lane);
+        // Each warp's 16 rows into its own stage, added to the buffer in the next step, behind
+        // its products (push_dq): the warpgroup's columns, those of them the buffer has (the
+        // bucket's: 96 in the 128 kernel, 32 in the 64 one).
+        gdq = dq_tile(p, seq.b, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);
+        order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
+        stage_dq_rows<DQ_N / 8, 0>(mydQ, dq, lane);
     }
+    if (g > 0) push_dq();
     if (lane == 0) bulk_wait<0>();
 
     // dK = scale * dk and dV through the warpgroup's K and V tiles (once both warpgroups' dQ
