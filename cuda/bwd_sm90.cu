@@ -156,7 +156,7 @@ __device__ __forceinline__ void push_dq_rows(float* gdq, const float* stage, int
         bulk_commit();
     }
 }
-template <int Tiles, int Pending = 0>
+template <int Tiles, int Pending>
 __device__ __forceinline__ void add_dq_rows(float* gdq, float* stage, const float (&dq)[4 * Tiles], int valid,
                                             int lane) {
     stage_dq_rows<Tiles, Pending>(stage, dq, lane);
