@@ -381,24 +381,32 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         // are made (at d = 64, 128 queries, P^T made while dP^T ran, beside both accumulators,
         // spilled), in four parts of the queries: dV and dK of a part run while the next part's
         // fragments are made, so that the tensor cores do not wait for the whole tile's.
-        wgmma_wait<0>();
+        wgmma_wait<1>();
         wgmma_fence_operands(st_flat);
-        wgmma_fence_operands(dpt_flat);
         constexpr int Parts = 4, PT = NT / Parts;   // n8 tiles per part
 #pragma unroll
         for (int part = 0; part < Parts; ++part) {
             const int nt0 = PT * part;
             auto& st_p = reinterpret_cast<float(&)[1][PT][4]>(st[0][nt0]);
             const auto& dpt_p = reinterpret_cast<const float(&)[1][PT][4]>(dpt[0][nt0]);
+            auto ds_of = [&](int nt) {
+                dscores_t(st_p, dpt_p, nt, [&](int nt, int j) { return d_of(nt0 + nt, j); },
+                          [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
+            };
             probs_t(st_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane,
                     [&](int nt, int j) { return stat(nt0 + nt, j).x; },
                     [&](int nt, const float (&pv)[4]) {
                         const int n = nt0 + nt;
                         pa[n / 2][2 * (n % 2)] = pack2<Elem>(pv[0], pv[1]);
                         pa[n / 2][2 * (n % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
-                        dscores_t(st_p, dpt_p, nt, [&](int nt, int j) { return d_of(nt0 + nt, j); },
-                                  [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
+                        if (part > 0) ds_of(nt);
                     });
+            if (part == 0) {   // the first part's P^T made while dP^T ran
+                wgmma_wait<0>();
+                wgmma_fence_operands(dpt_flat);
+#pragma unroll
+                for (int nt = 0; nt < PT; ++nt) ds_of(nt);
+            }
             // dV += P^T dO and dK += dS^T Q over the part's queries (B MN-major: 16 queries =
             // 2048 bytes of a chunk).
             wgmma_fence();
