@@ -44,16 +44,15 @@ struct FwdSm90Params {
     int grid[3];
 };
 
-// Keys per block: S = Q K^T as one m64n128 product per k16 step where its 64 accumulators and
-// O's fit the consumers' registers (cupyflash/_launch.py sm90_fwd_keys mirrors this).
-template <int HeadDim>
-__host__ __device__ constexpr int sm90_fwd_keys() { return HeadDim <= 128 ? 128 : 64; }
-
-template <typename Elem, int HeadDim, typename V, int Groups>
+// Keys: the keys per block (cupyflash/_launch.py sm90_fwd_keys), S = Q K^T as one m64nKeys
+// product per k16 step where its accumulators and O's fit the consumers' registers: 128 up to
+// head dim 128, 64 above (80 at 256 without modifiers or block masks).
+template <typename Elem, int HeadDim, typename V, int Groups, int Keys>
 __global__ void __launch_bounds__(128 * (Groups + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     static_assert(Groups == 2 || (Groups == 3 && HeadDim == 64), "a third consumer fits at head dim 64");
-    constexpr int Br = 64 * Groups, Bc = sm90_fwd_keys<HeadDim>(), Stages = 2;
+    static_assert(Keys % 16 == 0 && (HeadDim <= 128 ? Keys == 128 : Keys <= 80), "S and O in the registers");
+    constexpr int Br = 64 * Groups, Bc = Keys, Stages = 2;
     constexpr int Consumers = 128 * Groups;
     constexpr int Halves = HeadDim / 64;   // 64-column sub-tiles of a row block (one swizzle atom wide)
     constexpr int SubQ = 64 * 64, SubKV = Bc * 64;

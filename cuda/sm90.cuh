@@ -160,6 +160,7 @@ __device__ __forceinline__ void wgmma_wait() {
 // The accumulator registers of m64nNk16 (N / 2 floats per thread), as asm operand lists.
 #define CUPYFLASH_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUPYFLASH_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUPYFLASH_WGMMA_D40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define CUPYFLASH_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define CUPYFLASH_WGMMA_OUT16 \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -171,6 +172,13 @@ __device__ __forceinline__ void wgmma_wait() {
     "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
     "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
     "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define CUPYFLASH_WGMMA_OUT40 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
+    "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
+    "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+    "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
 #define CUPYFLASH_WGMMA_OUT64 \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
@@ -190,8 +198,8 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[N / 2] (+)= A (64 x 16, K-major descriptor) B^T (B: N x 16, K-major descriptor), N = 32, 64
-// or 128 by the size of d, bf16 or fp16 operands, fp32 accumulators laid out as mma.sync's over
+// d[N / 2] (+)= A (64 x 16, K-major descriptor) B^T (B: N x 16, K-major descriptor), N = 32, 64,
+// 80 or 128 by the size of d, bf16 or fp16 operands, fp32 accumulators laid out as mma.sync's over
 // N / 8 n8 tiles: warp w of the warpgroup holds rows 16w + g and 16w + g + 8, register 4j +
 // (0, 1) row 16w + g, columns 8j + 2t + (0, 1), register 4j + (2, 3) the same columns of row
 // 16w + g + 8.
@@ -238,6 +246,16 @@ template <>
 __device__ __forceinline__ void wgmma_ss<fp16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
                                                    bool accumulate) {
     CUPYFLASH_WGMMA_SS(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<bf16, 40>(float (&d)[40], unsigned long long a, unsigned long long b,
+                                                   bool accumulate) {
+    CUPYFLASH_WGMMA_SS(80, "bf16", CUPYFLASH_WGMMA_D40, CUPYFLASH_WGMMA_OUT40, "40", "41", "42");
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<fp16, 40>(float (&d)[40], unsigned long long a, unsigned long long b,
+                                                   bool accumulate) {
+    CUPYFLASH_WGMMA_SS(80, "f16", CUPYFLASH_WGMMA_D40, CUPYFLASH_WGMMA_OUT40, "40", "41", "42");
 }
 template <>
 __device__ __forceinline__ void wgmma_ss<bf16, 64>(float (&d)[64], unsigned long long a, unsigned long long b,

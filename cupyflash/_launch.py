@@ -347,9 +347,17 @@ def sm90_headdim(bucket):
     return _config.cdiv(bucket, 64) * 64
 
 
-def sm90_fwd_keys(hd):
-    """Keys per block of the Hopper forward (cuda/fwd_sm90.cu sm90_fwd_keys)."""
-    return 128 if hd <= 128 else 64
+def sm90_fwd_keys(spec, block_mask):
+    """Keys per block of the Hopper forward (cuda/fwd_sm90.cu's Keys): 128 up to head dim 128;
+    above, 64, but 80 at 256 (S = Q K^T by m64n80: 25% more FLOPs per byte of Q read from
+    shared memory than m64n64; measured there only) for calls without a block mask (80
+    divides no mask block), softcap, ALiBi or user mods (their registers spill beside 80 keys'
+    scores and O)."""
+    hd = sm90_headdim(spec.headdim)
+    if hd <= 128:
+        return 128
+    plain = block_mask is None and not (spec.softcap or spec.alibi or spec.user_mods)
+    return 80 if hd == 256 and plain else 64
 
 
 def sm90_fwd_groups(spec, block_mask):
@@ -361,13 +369,17 @@ def sm90_fwd_groups(spec, block_mask):
     return 3 if sm90_headdim(spec.headdim) == 64 and plain else 2
 
 
-def sm90_fwd_smem(hd, groups):
-    """Q (64 rows per consumer warpgroup), two buffers of K and of V (sm90_fwd_keys rows each)
-    and, for hd <= 128, O's stage (as Q), 16-bit elements, and 1 KB to align them to 1024
-    bytes."""
+def sm90_fwd_tile(spec, block_mask):
+    """(Groups, Keys) of the Hopper forward's kernel for this call."""
+    return sm90_fwd_groups(spec, block_mask), sm90_fwd_keys(spec, block_mask)
+
+
+def sm90_fwd_smem(hd, groups, keys):
+    """Q (64 rows per consumer warpgroup), two buffers of K and of V (`keys` rows each) and,
+    for hd <= 128, O's stage (as Q), 16-bit elements, and 1 KB to align them to 1024 bytes."""
     rows = 64 * groups
     own_stage = rows if hd <= 128 else 0
-    return (rows + 2 * 2 * sm90_fwd_keys(hd) + own_stage) * hd * 2 + 1024
+    return (rows + 2 * 2 * keys + own_stage) * hd * 2 + 1024
 
 
 def kernel_family(spec, block_mask, *arrays):
@@ -382,7 +394,7 @@ def kernel_family(spec, block_mask, *arrays):
     if (_hopper_allowed() and spec.dtype in TENSOR_CORE
             and not spec.dropout
             and (block_mask is None or (block_mask.block_q % rows == 0 and block_mask.block_k
-                                        % sm90_fwd_keys(sm90_headdim(spec.headdim)) == 0))
+                                        % sm90_fwd_keys(spec, block_mask) == 0))
             and _vec_ok(*arrays)):
         return "sm90"
     return "generic"
@@ -487,7 +499,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
 def _forward_sm90(p, q, k, v, out, spec, block_mask):
     b, sq, h, _ = q.shape
     hd = sm90_headdim(spec.headdim)
-    keys, groups = sm90_fwd_keys(hd), sm90_fwd_groups(spec, block_mask)
+    groups, keys = sm90_fwd_tile(spec, block_mask)
     rows = 64 * groups
     if block_mask is not None:
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=True, q=False)
@@ -505,8 +517,8 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask):
         counter = cupy.zeros((), np.int32)
         tp["counter"] = counter.data.ptr
         blocks = min(blocks, _sm_count())
-    name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant(), groups)
-    _launch("fwd_sm90.cu", name, (blocks, 1, 1), 128 * (groups + 1), sm90_fwd_smem(hd, groups),
+    name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant(), groups, keys)
+    _launch("fwd_sm90.cu", name, (blocks, 1, 1), 128 * (groups + 1), sm90_fwd_smem(hd, groups, keys),
             tp[()], spec.user_mods)
 
 
@@ -652,11 +664,13 @@ def kernel_names(smem_limit, hopper=False):
                 for cap, alibi, drop in ((0.0, False, 0.0), (1.0, False, 0.0), (0.0, True, 0.0),
                                          (1.0, True, 0.0), (0.0, False, 0.5))]
     if hopper:
+        # Each call's tile, without a block mask and with one (any mask: the rules ask only
+        # whether there is one).
         names["fwd_sm90.cu"] = [
-            template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant(), groups)
+            template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant(), *tile)
             for d in TENSOR_CORE for hd in sorted({sm90_headdim(b) for b in _config.HEAD_DIM_BUCKETS})
-            for spec in variants if not spec.dropout
-            for groups in sorted({2, sm90_fwd_groups(dataclasses.replace(spec, headdim=hd), None)})]
+            for spec in (dataclasses.replace(s, headdim=hd) for s in variants if not s.dropout)
+            for tile in sorted({sm90_fwd_tile(spec, None), sm90_fwd_tile(spec, "mask")})]
         names["bwd_sm90.cu"] = [
             template_name("flash_bwd_sm90_kernel", ELEM[d], hd, spec.variant())
             for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout] + [
