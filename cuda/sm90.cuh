@@ -214,12 +214,27 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[D], unsigned long long a, un
 template <typename Elem>
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b, bool accumulate);
 
-#define CUPYFLASH_WGMMA_SS(N, TYPE, D, OUT, A, B, ACC)                                                          \
+// One wgmma m64nNk16 with both operands in shared memory; TRANS: the transpose flags of A and
+// B (0: K-major, 1: MN-major).
+#define CUPYFLASH_WGMMA_SS(N, TYPE, D, OUT, A, B, ACC, TRANS)                                                   \
     asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %" ACC ", 0;\n\t"                                  \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D ", %" A ", %" B         \
-                 ", acc, 1, 1, 0, 0;\n\t}"                                                                     \
+                 ", acc, 1, 1, " TRANS ";\n\t}"                                                               \
                  : OUT                                                                                           \
                  : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+// FN's bf16 and fp16 specializations for accumulators of DN floats (m64nN); A, B and ACC: the
+// asm operand numbers of a, b and accumulate (DN, DN + 1, DN + 2).
+#define CUPYFLASH_WGMMA_SS_PAIR(FN, DN, N, A, B, ACC, TRANS)                                                    \
+    template <>                                                                                                  \
+    __device__ __forceinline__ void FN<bf16, DN>(float (&d)[DN], unsigned long long a, unsigned long long b,    \
+                                                 bool accumulate) {                                              \
+        CUPYFLASH_WGMMA_SS(N, "bf16", CUPYFLASH_WGMMA_D##DN, CUPYFLASH_WGMMA_OUT##DN, A, B, ACC, TRANS);        \
+    }                                                                                                            \
+    template <>                                                                                                  \
+    __device__ __forceinline__ void FN<fp16, DN>(float (&d)[DN], unsigned long long a, unsigned long long b,    \
+                                                 bool accumulate) {                                              \
+        CUPYFLASH_WGMMA_SS(N, "f16", CUPYFLASH_WGMMA_D##DN, CUPYFLASH_WGMMA_OUT##DN, A, B, ACC, TRANS);         \
+    }
 #define CUPYFLASH_WGMMA_RS(TYPE)                                                                                 \
     asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %37, 0;\n\t"                                      \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUPYFLASH_WGMMA_D32            \
@@ -227,103 +242,33 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], unsi
                  : CUPYFLASH_WGMMA_OUT32                                                                         \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
 
-template <>
-__device__ __forceinline__ void wgmma_ss<bf16, 16>(float (&d)[16], unsigned long long a, unsigned long long b,
-                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS(32, "bf16", CUPYFLASH_WGMMA_D16, CUPYFLASH_WGMMA_OUT16, "16", "17", "18");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<fp16, 16>(float (&d)[16], unsigned long long a, unsigned long long b,
-                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS(32, "f16", CUPYFLASH_WGMMA_D16, CUPYFLASH_WGMMA_OUT16, "16", "17", "18");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<bf16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS(64, "bf16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<fp16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<bf16, 40>(float (&d)[40], unsigned long long a, unsigned long long b,
-                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS(80, "bf16", CUPYFLASH_WGMMA_D40, CUPYFLASH_WGMMA_OUT40, "40", "41", "42");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<fp16, 40>(float (&d)[40], unsigned long long a, unsigned long long b,
-                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS(80, "f16", CUPYFLASH_WGMMA_D40, CUPYFLASH_WGMMA_OUT40, "40", "41", "42");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<bf16, 64>(float (&d)[64], unsigned long long a, unsigned long long b,
-                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS(128, "bf16", CUPYFLASH_WGMMA_D64, CUPYFLASH_WGMMA_OUT64, "64", "65", "66");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<fp16, 64>(float (&d)[64], unsigned long long a, unsigned long long b,
-                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS(128, "f16", CUPYFLASH_WGMMA_D64, CUPYFLASH_WGMMA_OUT64, "64", "65", "66");
-}
-// d[N / 2] (+)= A B with both operands MN-major in shared memory (128-byte swizzle, 16 K-rows =
-// 2048 bytes), N = 32 or 64 by the size of d: A (64 x 16) stored as rows of K holding the 64
-// M-elements (a transposed tile: dS^T for dQ = dS K), B (16 x N) as for wgmma_rs (N = 32: half
-// a row, the descriptor's start 64 bytes in for the second half).
+CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss, 16, 32, "16", "17", "18", "0, 0")
+CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss, 32, 64, "32", "33", "34", "0, 0")
+CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss, 40, 80, "40", "41", "42", "0, 0")
+CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss, 64, 128, "64", "65", "66", "0, 0")
+// d[32] (+)= A B with both operands MN-major in shared memory (128-byte swizzle, 16 K-rows =
+// 2048 bytes): A (64 x 16) stored as rows of K holding the 64 M-elements (a transposed tile:
+// dS^T for dQ = dS K), B (16 x 64) as for wgmma_rs.
 template <typename Elem, int D>
 __device__ __forceinline__ void wgmma_ss_tt(float (&d)[D], unsigned long long a, unsigned long long b,
                                             bool accumulate);
-#define CUPYFLASH_WGMMA_SS_TT(N, TYPE, D, OUT, A, B, ACC)                                                       \
-    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %" ACC ", 0;\n\t"                                  \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D ", %" A ", %" B         \
-                 ", acc, 1, 1, 1, 1;\n\t}"                                                                     \
-                 : OUT                                                                                           \
-                 : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
-template <>
-__device__ __forceinline__ void wgmma_ss_tt<bf16, 16>(float (&d)[16], unsigned long long a, unsigned long long b,
-                                                      bool accumulate) {
-    CUPYFLASH_WGMMA_SS_TT(32, "bf16", CUPYFLASH_WGMMA_D16, CUPYFLASH_WGMMA_OUT16, "16", "17", "18");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_tt<fp16, 16>(float (&d)[16], unsigned long long a, unsigned long long b,
-                                                      bool accumulate) {
-    CUPYFLASH_WGMMA_SS_TT(32, "f16", CUPYFLASH_WGMMA_D16, CUPYFLASH_WGMMA_OUT16, "16", "17", "18");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_tt<bf16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                      bool accumulate) {
-    CUPYFLASH_WGMMA_SS_TT(64, "bf16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_tt<fp16, 32>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                      bool accumulate) {
-    CUPYFLASH_WGMMA_SS_TT(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34");
-}
-#undef CUPYFLASH_WGMMA_SS_TT
+CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss_tt, 32, 64, "32", "33", "34", "1, 1")
 // d[32] (+)= A B with A (64 x 16) K-major in shared memory, as for wgmma_ss, and B (16 x 64)
 // MN-major, as for wgmma_rs: P^T dO and dS^T Q from shared memory, for a warpgroup that holds
 // neither operand in registers.
 template <typename Elem>
 __device__ __forceinline__ void wgmma_ss_bt(float (&d)[32], unsigned long long a, unsigned long long b,
                                             bool accumulate);
-#define CUPYFLASH_WGMMA_SS_BT(TYPE)                                                                              \
-    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %34, 0;\n\t"                                      \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUPYFLASH_WGMMA_D32            \
-                 ", %32, %33, acc, 1, 1, 0, 1;\n\t}"                                                             \
-                 : CUPYFLASH_WGMMA_OUT32                                                                         \
-                 : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
 template <>
 __device__ __forceinline__ void wgmma_ss_bt<bf16>(float (&d)[32], unsigned long long a, unsigned long long b,
                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS_BT("bf16");
+    CUPYFLASH_WGMMA_SS(64, "bf16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34", "0, 1");
 }
 template <>
 __device__ __forceinline__ void wgmma_ss_bt<fp16>(float (&d)[32], unsigned long long a, unsigned long long b,
                                                   bool accumulate) {
-    CUPYFLASH_WGMMA_SS_BT("f16");
+    CUPYFLASH_WGMMA_SS(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34", "0, 1");
 }
-#undef CUPYFLASH_WGMMA_SS_BT
 
 template <>
 __device__ __forceinline__ void wgmma_rs<bf16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
@@ -336,10 +281,13 @@ __device__ __forceinline__ void wgmma_rs<fp16>(float (&d)[32], const u32 (&a)[4]
     CUPYFLASH_WGMMA_RS("f16");
 }
 #undef CUPYFLASH_WGMMA_SS
+#undef CUPYFLASH_WGMMA_SS_PAIR
 #undef CUPYFLASH_WGMMA_RS
 #undef CUPYFLASH_WGMMA_D16
 #undef CUPYFLASH_WGMMA_D32
+#undef CUPYFLASH_WGMMA_D40
 #undef CUPYFLASH_WGMMA_D64
 #undef CUPYFLASH_WGMMA_OUT16
 #undef CUPYFLASH_WGMMA_OUT32
+#undef CUPYFLASH_WGMMA_OUT40
 #undef CUPYFLASH_WGMMA_OUT64
