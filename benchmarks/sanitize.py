@@ -20,7 +20,7 @@ conversion) and the deterministic backward (its own dQ pass), block-sparse forwa
 backward, the plain float32/float64 kernels, every dtype, every head-dim bucket's tile shape
 (head dims 27, 32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256), sequence tails (1, 17, 97,
 130, 200, 255, 257, 300) with seqlen_q != seqlen_k both ways, causal and not (rows that see no
-key included), GQA and MQA.
+key included), GQA and MQA, and packed variable-length batches.
 
 The driver allocates with plain cudaMalloc (``cupy.cuda.set_allocator(None)``): inside a block
 of CuPy's pool an out-of-bounds access lands in memory memcheck counts as allocated. Its
@@ -65,6 +65,8 @@ class Case(gpu_checks.Case):
     dropout: float = 0.0     # dropout_p (seed 7, offset 1)
     user: bool = False       # user mods: a relative-position bias score_mod (with the table's
                              # gradient) and a document mask_mod
+    packed: tuple = None     # a packed batch (flash_attention_varlen): ((sq, sk), ...) per
+                             # sequence; the case's sq and sk are the longest's
 
     @property
     def id(self):
@@ -73,7 +75,8 @@ class Case(gpu_checks.Case):
                 + (f"-cap{self.softcap:g}" if self.softcap else "")
                 + ("-alibi" if self.alibi else "")
                 + (f"-drop{self.dropout:g}" if self.dropout else "")
-                + ("-usermods" if self.user else ""))
+                + ("-usermods" if self.user else "")
+                + ("-packed" + "_".join(f"{a}x{b}" for a, b in self.packed) if self.packed else ""))
 
     def user_tables(self):
         """The user mods' arrays (NumPy): bias (nheads, sq + sk) and document ids (sk,)."""
@@ -181,6 +184,13 @@ CASES = (
     Case("fp32", 130, 1, 256, False),
     Case("fp32", 255, 300, 128, False, nheads=4, nheads_k=1),
     Case("fp64", 257, 97, 96, True, nheads=3, nheads_k=1),
+    # Packed batches: tiles that reach into the next sequence, a sequence without keys and one
+    # without queries (Hopper kernels for bf16/fp16 at every head-dim family, generic for fp32).
+    Case("bf16", 200, 257, 128, True, nheads=4, nheads_k=2,
+         packed=((1, 3), (130, 97), (0, 5), (17, 0), (200, 257), (64, 64))),
+    Case("fp16", 130, 130, 64, False, packed=((97, 130), (130, 1), (5, 17))),
+    Case("bf16", 130, 200, 256, True, packed=((130, 200), (33, 17), (1, 1))),
+    Case("fp32", 130, 97, 72, True, nheads=4, nheads_k=2, packed=((130, 97), (0, 3), (17, 40))),
 )
 
 # One error of each tool's kind: a read one element past an array (memcheck), warps writing
@@ -231,9 +241,52 @@ def _host_inputs(case):
     seed = zlib.crc32(case.id.encode())
     shape_q = (case.batch, case.sq, case.nheads, case.d)
     shape_kv = (case.batch, case.sk, case.nheads_k, case.d)
+    if case.packed:
+        totals = [sum(n) for n in zip(*case.packed)]
+        shape_q, shape_kv = (totals[0], case.nheads, case.d), (totals[1], case.nheads_k, case.d)
     q, k, v = random_inputs(np, shape_q, shape_kv, gpu_checks.DTYPES[case.dtype], seed)
     dout = random_inputs(np, shape_q, shape_q, gpu_checks.DTYPES[case.dtype], seed + 3)[0]
     return q, k, v, dout
+
+
+def _offsets(case):
+    """cu_seqlens_q, cu_seqlens_k (NumPy int32) of a packed case."""
+    import numpy as np
+    return tuple(np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in zip(*case.packed))
+
+
+def _run_packed(case, host):
+    """_run_gpu of a packed case: out (total_q, h, d), lse (h, total_q), the gradients."""
+    import cupy as cp
+    import cupyflash as cf
+    q, k, v, dout = (cp.asarray(x) for x in host)
+    cu = [cp.asarray(c) for c in _offsets(case)]
+    out, lse = cf.flash_attention_varlen(q, k, v, *cu, causal=case.causal, return_lse=True)
+    grads = {mode: tuple(cp.asnumpy(x) for x in cf.flash_attention_varlen_backward(
+                 dout, q, k, v, out, lse, *cu, causal=case.causal, deterministic=mode == "deterministic"))
+             for mode in case.modes}
+    return cp.asnumpy(out), cp.asnumpy(lse), grads
+
+
+def _check_packed(case, host, result):
+    """Each sequence of a packed case by _check, as a dense case of its own; sequences without
+    keys must give out 0 and lse -inf, keys without queries dk = dv = 0."""
+    import dataclasses
+    import numpy as np
+    q, k, v, dout = host
+    out, lse, grads = result
+    cq, ck = _offsets(case)
+    for b, (sq, sk) in enumerate(case.packed):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if sq == 0:
+            assert all((g[i][rk] == 0).all() for g in grads.values() for i in (1, 2)), f"dk, dv of sequence {b}"
+        elif sk == 0:
+            assert (out[rq] == 0).all() and np.isneginf(lse[:, rq]).all(), f"out, lse of sequence {b}"
+        else:
+            one = dataclasses.replace(case, sq=sq, sk=sk, batch=1, packed=None)
+            _check(one, (q[None, rq], k[None, rk], v[None, rk], dout[None, rq]),
+                   (out[None, rq], lse[None, :, rq],
+                    {m: (g[0][None, rq], g[1][None, rk], g[2][None, rk]) for m, g in grads.items()}), None)
 
 
 def _run_gpu(case, host, block_mask):
@@ -340,7 +393,10 @@ def driver(ids):
             print(f"skip {case.id}: {e}", flush=True)
             continue
         try:
-            _check(case, host, _run_gpu(case, host, block_mask), block_mask)
+            if case.packed:
+                _check_packed(case, host, _run_packed(case, host))
+            else:
+                _check(case, host, _run_gpu(case, host, block_mask), block_mask)
             print(f"ok   {case.id} ({time.perf_counter() - t0:.1f} s)", flush=True)
         except AssertionError as e:
             failed += 1

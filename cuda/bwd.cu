@@ -17,8 +17,8 @@
 #include "epilogue.cuh"
 
 // Row `row` of head h of a row statistic (lse, D, lse in log2 units).
-template <typename Acc>
-__device__ __forceinline__ Acc* stat_ptr(const void* base, const SeqInfo<BwdParams>& seq, int h, int row) {
+template <typename Acc, typename Seq>
+__device__ __forceinline__ Acc* stat_ptr(const void* base, const Seq& seq, int h, int row) {
     return static_cast<Acc*>(const_cast<void*>(base)) + seq.stat(h, row);
 }
 
@@ -36,17 +36,18 @@ constexpr int DQ_CONVERT_THREADS = 256;
 
 // grid (ceil(seqlen_q / PREPROCESS_WARPS), nheads, batch), one warp per query row. Writes D,
 // and for the tensor-core passes lse in log2 units (the plain kernels convert lse themselves).
-template <typename Elem>
+// Seq: the rows' layout (seqinfo.cuh), as the passes' Variant::Seq.
+template <typename Elem, int Seq = SEQ_DENSE>
 __global__ void __launch_bounds__(PREPROCESS_WARPS * 32) bwd_preprocess_kernel(const BwdParams p) {
     typedef ElemTraits<Elem> Tr;
     typedef typename Tr::storage S;
     typedef typename Tr::acc Acc;
     const int row = blockIdx.x * PREPROCESS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const SeqInfo<BwdParams> seq(p, blockIdx.z);
+    const SeqInfo<BwdParams, Seq> seq(p, blockIdx.z);
     const int h = blockIdx.y;
     if (row >= seq.seqlen_q()) return;
-    const S* o = seq.q_row<const S>(p.o, h, row);
-    const S* dout = seq.q_row<const S>(p.dout, h, row);
+    const S* o = seq.template q_row<const S>(p.o, h, row);
+    const S* dout = seq.template q_row<const S>(p.dout, h, row);
     Acc sum = 0;
     for (int c = lane; c < p.headdim; c += 32) sum += Tr::load(o + c) * Tr::load(dout + c);
 #pragma unroll
@@ -68,22 +69,23 @@ __global__ void __launch_bounds__(PREPROCESS_WARPS * 32) bwd_preprocess_kernel(c
 // L at L * 4 + e).
 constexpr int DQ_TILE = 16 * 8;
 
-// The thread's lane in tile (rt, 0) of (b, h).
-__device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, int b, int h, int rt, int lane) {
-    return p.dq_accum + ((static_cast<index_t>(b) * p.nheads + h) * (p.dq_accum_rows / 16) + rt)
-                        * (p.dq_accum_cols / 8) * DQ_TILE + lane;
+// The thread's lane in tile `tile` (rows 16 tile ..), column 0, of head h of seq's entry.
+template <typename Seq>
+__device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, const Seq& seq, int h, int tile, int lane) {
+    return p.dq_accum + seq.accum_tile(h, tile) * (p.dq_accum_cols / 8) * DQ_TILE + lane;
 }
 
 // grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads,
 // 16 x (dq_accum_cols + 1) floats of shared memory: one strip of 16 rows, read in tile order,
-// written row by row. LaneMajor: the Hopper pass's tiles.
-template <typename Elem, bool LaneMajor>
+// written row by row. LaneMajor: the Hopper pass's tiles. Seq: the rows' layout.
+template <typename Elem, bool LaneMajor, int Seq = SEQ_DENSE>
 __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p) {
     extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
-    const SeqInfo<BwdParams> seq(p, blockIdx.z);
+    const SeqInfo<BwdParams, Seq> seq(p, blockIdx.z);
     const int h = blockIdx.y, row0 = blockIdx.x * 16;
+    if (Seq == SEQ_PACKED && row0 >= seq.seqlen_q()) return;
     const int cols = p.dq_accum_cols, ld = cols + 1;
-    const float* src = dq_tile_lane(p, seq.b, h, blockIdx.x, 0);
+    const float* src = dq_tile_lane(p, seq, h, blockIdx.x, 0);
     for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
         const int e = LaneMajor ? j % 4 : j / 32 % 4, lane = LaneMajor ? j / 4 % 32 : j % 32;
         const int r = lane / 4 + (e >> 1) * 8, c = j / DQ_TILE * 8 + lane % 4 * 2 + (e & 1);
@@ -94,15 +96,15 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
         const int r = j / cols, c = j % cols;
         if (row0 + r < seq.seqlen_q() && c < p.headdim)
-            ElemTraits<Elem>::store(seq.q_row<u16>(p.dq, h, row0 + r) + c, strip[r * ld + c] * scale);
+            ElemTraits<Elem>::store(seq.template q_row<u16>(p.dq, h, row0 + r) + c, strip[r * ld + c] * scale);
     }
 }
 
 // lse (log2 units) and D of rows [row0, row0 + Rows) into sStats[0, Rows) and
 // sStats[Rows, 2 Rows) by cp.async, so that the loads land under the math; rows past the end
 // read 0, harmless since their dO rows are zero.
-template <int Rows, int Threads>
-__device__ __forceinline__ void load_row_stats(const BwdParams& p, const SeqInfo<BwdParams>& seq, float* sStats, int h, int row0) {
+template <int Rows, int Threads, typename Seq>
+__device__ __forceinline__ void load_row_stats(const BwdParams& p, const Seq& seq, float* sStats, int h, int row0) {
     static_assert(2 * Rows <= Threads, "one value per thread");
     const int r = threadIdx.x % Rows, row = row0 + r;
     const bool in = row < seq.seqlen_q();
@@ -244,8 +246,10 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     // Causal: the first key blocks are seen by the most queries.
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
-    const SeqInfo<BwdParams> seq(p, at.batch);
+    const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
+    if (V::Varlen && at.tile * Bc >= seq.seqlen_k()) return;   // past a packed sequence's end
     Mask<V, BwdParams> mask(p);
+    mask.at_batch(at.batch);
     ScoreMod<V, BwdParams> mod(p);
     Dropout drop(p, at.batch, 0);
     static_assert(!(V::Dropout && (V::Softcap || V::UserScore)), "the early P^T, or dS^T, would skip the dropout");
@@ -260,9 +264,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const u32 sKa = smem_addr(sK), sVa = smem_addr(sV);
     const u32 sPta = smem_addr(sPt), sdSta = smem_addr(sdSt);
 
-    load_tile<Bc, HeadDim, Threads>(sK, seq.k_row<const u16>(p.k, hk, col0), p.k.row_stride,
+    load_tile<Bc, HeadDim, Threads>(sK, seq.template k_row<const u16>(p.k, hk, col0), p.k.row_stride,
                                     seq.seqlen_k() - col0, p.headdim, vec_ok);
-    load_tile<Bc, HeadDim, Threads>(sV, seq.k_row<const u16>(p.v, hk, col0), p.v.row_stride,
+    load_tile<Bc, HeadDim, Threads>(sV, seq.template k_row<const u16>(p.v, hk, col0), p.v.row_stride,
                                     seq.seqlen_k() - col0, p.headdim, vec_ok);
 
     // The steps: (query head of the group, query block) pairs, heads without blocks skipped.
@@ -282,9 +286,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const int h = hk * p.group + s.hq;
         const int m0 = s.qb.block(s.it) * Br;
         u16* sQ = sQ_of(buf);
-        load_tile<Br, HeadDim, Threads>(sQ, seq.q_row<const u16>(p.q, h, m0), p.q.row_stride,
+        load_tile<Br, HeadDim, Threads>(sQ, seq.template q_row<const u16>(p.q, h, m0), p.q.row_stride,
                                         seq.seqlen_q() - m0, p.headdim, vec_ok);
-        load_tile<Br, HeadDim, Threads>(sQ + Br * LD, seq.q_row<const u16>(p.dout, h, m0), p.dout.row_stride,
+        load_tile<Br, HeadDim, Threads>(sQ + Br * LD, seq.template q_row<const u16>(p.dout, h, m0), p.dout.row_stride,
                                         seq.seqlen_q() - m0, p.headdim, vec_ok);
         load_row_stats<Br, Threads>(p, seq, stats_of(buf), h, m0);
     };
@@ -324,7 +328,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             cp_async_commit();
         }
         const u32 sQa = smem_addr(sQ_of(buf)), sdOa = sQa + Br * LD * 2;
-        float* gdq = AtomicDQ ? dq_tile_lane(p, seq.b, hk * p.group + cur.hq, (m0 + row_w) / 16, lane) : nullptr;
+        float* gdq = AtomicDQ ? dq_tile_lane(p, seq, hk * p.group + cur.hq, (m0 + row_w) / 16, lane) : nullptr;
         const float* sLse2 = stats_of(buf);
         const float* sD = sLse2 + Br;
         mod.at_head(seq.b, hk * p.group + cur.hq);
@@ -495,7 +499,8 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;   // as in the forward
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
     if (at.batch >= p.batch) return;
-    const SeqInfo<BwdParams> seq(p, at.batch);
+    const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
+    if (V::Varlen && at.tile * Br >= seq.seqlen_q()) return;   // past a packed sequence's end
     Mask<V, BwdParams> mask(p);
     const int h = at.head, hk = h / p.group;
     mask.at_head(at.batch, h);
@@ -509,9 +514,9 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const bool vec_ok = p.vec_ok != 0;
     const u32 sQa = smem_addr(sQ), sdOa = smem_addr(sdO), sKa = smem_addr(sK), sVa = smem_addr(sV);
 
-    load_tile<Br, HeadDim, Threads>(sQ, seq.q_row<const u16>(p.q, h, row0), p.q.row_stride,
+    load_tile<Br, HeadDim, Threads>(sQ, seq.template q_row<const u16>(p.q, h, row0), p.q.row_stride,
                                     seq.seqlen_q() - row0, p.headdim, vec_ok);
-    load_tile<Br, HeadDim, Threads>(sdO, seq.q_row<const u16>(p.dout, h, row0), p.dout.row_stride,
+    load_tile<Br, HeadDim, Threads>(sdO, seq.template q_row<const u16>(p.dout, h, row0), p.dout.row_stride,
                                     seq.seqlen_q() - row0, p.headdim, vec_ok);
     cp_async_commit();
 
@@ -535,8 +540,8 @@ flash_bwd_dq_kernel(const BwdParams p) {
         for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
 
     const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, qblock, Br, Bc);
-    const u16* gK = seq.k_row<const u16>(p.k, hk, 0);
-    const u16* gV = seq.k_row<const u16>(p.v, hk, 0);
+    const u16* gK = seq.template k_row<const u16>(p.k, hk, 0);
+    const u16* gV = seq.template k_row<const u16>(p.v, hk, 0);
     for (int it = 0; it < kb.count; ++it) {
         const int n0 = kb.block(it) * Bc;
         __syncthreads();   // every warp is done with the previous K and V

@@ -93,13 +93,14 @@ struct BwdSm90Barriers {
 // The producer warpgroup (the block's last; registers given back first): its first thread has
 // the copy engine bring the block's K and V (KeyTiles x Chunks sub-tiles of 64 keys x 64
 // columns) once and Q and dO (Chunks sub-tiles of Br rows) per step; its second warp copies
-// the steps' row statistics into sstat (rows past seqlen_q take the last row's: their Q and dO
-// rows are zeros, nothing of theirs reaches dK or dV), so that the consumers hold no registers
-// for them across their products.
-template <int Stages, int Br, int KeyTiles, int Chunks, typename V>
-__device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const SeqInfo<BwdParams>& seq,
-                                                 const BwdSteps<V>& steps, int col0, int batch, u16* sK, u16* sV,
-                                                 u16* sQ, u16* sdO, float2 (*sstat)[Br], BwdSm90Barriers<Stages>& bar) {
+// the steps' row statistics into sstat, so that the consumers hold no registers for them across
+// their products. Rows past seqlen_q take the last row's statistics where their Q and dO rows
+// are zeros (the copy engine's fill past the tensor: nothing of theirs reaches dK or dV); in a
+// packed batch they are the next sequence's rows, and get lse = +inf (their probabilities 0).
+template <int Stages, int Br, int KeyTiles, int Chunks, typename V, typename Seq>
+__device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const Seq& seq, const BwdSteps<V>& steps,
+                                                 int col0, u16* sK, u16* sV, u16* sQ, u16* sdO, float2 (*sstat)[Br],
+                                                 BwdSm90Barriers<Stages>& bar) {
     constexpr int Sub = 64 * 64;
     const BwdParams& p = steps.p;
     const int pw = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
@@ -108,8 +109,9 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
         mbar_expect_bytes(&bar.kv_full, 2 * KeyTiles * Chunks * Sub * 2);
         for (int kt = 0; kt < KeyTiles; ++kt)
             for (int c = 0; c < Chunks; ++c) {
-                tma_load_4d(sK + (kt * Chunks + c) * Sub, tp.k, 64 * c, steps.hk, col0 + 64 * kt, batch, &bar.kv_full);
-                tma_load_4d(sV + (kt * Chunks + c) * Sub, tp.v, 64 * c, steps.hk, col0 + 64 * kt, batch, &bar.kv_full);
+                const int row = seq.k_map_row(col0 + 64 * kt), batch = seq.map_batch();
+                tma_load_4d(sK + (kt * Chunks + c) * Sub, tp.k, 64 * c, steps.hk, row, batch, &bar.kv_full);
+                tma_load_4d(sV + (kt * Chunks + c) * Sub, tp.v, 64 * c, steps.hk, row, batch, &bar.kv_full);
             }
     }
     int g = 0;   // query blocks passed: block g goes through stage g % Stages
@@ -118,15 +120,18 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
         if (g >= Stages) mbar_wait(&bar.qd_empty[buf], (g / Stages - 1) & 1);
         if (pw == 0) {
             mbar_expect_bytes(&bar.qd_full[buf], 2 * Chunks * Br * 64 * 2);
+            const int row = seq.q_map_row(m0), batch = seq.map_batch();
             for (int c = 0; c < Chunks; ++c) {
-                tma_load_4d(sQ + (buf * Chunks + c) * Br * 64, tp.q, 64 * c, h, m0, batch, &bar.qd_full[buf]);
-                tma_load_4d(sdO + (buf * Chunks + c) * Br * 64, tp.dout, 64 * c, h, m0, batch, &bar.qd_full[buf]);
+                tma_load_4d(sQ + (buf * Chunks + c) * Br * 64, tp.q, 64 * c, h, row, batch, &bar.qd_full[buf]);
+                tma_load_4d(sdO + (buf * Chunks + c) * Br * 64, tp.dout, 64 * c, h, row, batch, &bar.qd_full[buf]);
             }
         } else {
             for (int i = lane; i < Br; i += 32) {
                 const index_t at_row = seq.stat(h, min(m0 + i, seq.seqlen_q() - 1));
-                sstat[buf][i] = make_float2(static_cast<const float*>(p.lse_log2)[at_row],
-                                            static_cast<const float*>(p.dsum)[at_row]);
+                sstat[buf][i] = V::Varlen && m0 + i >= seq.seqlen_q()
+                                    ? make_float2(__int_as_float(0x7f800000), 0.f)
+                                    : make_float2(static_cast<const float*>(p.lse_log2)[at_row],
+                                                  static_cast<const float*>(p.dsum)[at_row]);
             }
             mbar_arrive(&bar.qd_full[buf]);
         }
@@ -252,9 +257,9 @@ __device__ __forceinline__ void dscores_t(const float (&st)[1][NT][4], const flo
 }
 
 // The fp32 dQ buffer's tile of rows row0.. (a multiple of 16) and column col (of 8) of head h.
-__device__ __forceinline__ float* dq_tile(const BwdParams& p, int b, int h, int row0, int col) {
-    return p.dq_accum + (((static_cast<index_t>(b) * p.nheads + h) * (p.dq_accum_rows / 16) + row0 / 16)
-                         * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
+template <typename Seq>
+__device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, int h, int row0, int col) {
+    return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
 }
 
 // The counter of the query block from row 64 m of head h (tp.dq_order: batch, nheads, 64-row
@@ -295,9 +300,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // Causal: the first key blocks are seen by the most queries.
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
-    const SeqInfo<BwdParams> seq(p, at.batch);
-    Mask<V, BwdParams> mask(p);
+    const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     const int n_tile = at.tile, col0 = n_tile * Bc;
+    if (V::Varlen && col0 >= seq.seqlen_k()) return;   // past a packed sequence's end
+    Mask<V, BwdParams> mask(p);
+    mask.at_batch(at.batch);
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
     if (threadIdx.x == 0) bar.init(Consumers);
@@ -305,7 +312,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 
     if (threadIdx.x >= Consumers) {
         setmaxnreg_dec<24>();
-        bwd_sm90_produce<Stages, Br, 2, Halves>(tp, seq, steps, col0, at.batch, sK, sV, sQ, sdO, sstat, bar);
+        bwd_sm90_produce<Stages, Br, 2, Halves>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar);
         return;
     }
     setmaxnreg_inc<240>();
@@ -444,7 +451,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         // its products (push_dq): the warpgroup's columns, those of them the buffer has (the
         // bucket's: 96 in the 128 kernel, 32 in the 64 one).
         stage = mydQ;
-        gdq = dq_tile(p, seq.b, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);
+        gdq = dq_tile(p, seq, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);
         order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
         stage_dq_rows<DQ_N / 8, 0>(stage, dq, lane);
     }
@@ -462,14 +469,23 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     stage_swizzled<Elem, 64>(stV, 16 * wq, lane, dv, [](int, int) { return 1.f; });
     fence_proxy_async();
     named_bar_sync(4 + wg, 128);
-    if (threadIdx.x % 128 == 0) {
+    const int my_col0 = col0 + 64 * wg;
+    if (seq.k_rows_own(my_col0, 64)) {
+        if (threadIdx.x % 128 == 0) {
 #pragma unroll
-        for (int c = 0; c < Halves; ++c) {
-            tma_store_4d(tp.dk, 64 * c, at.head, col0 + 64 * wg, at.batch, stK + c * Sub);
-            tma_store_4d(tp.dv, 64 * c, at.head, col0 + 64 * wg, at.batch, stV + c * Sub);
+            for (int c = 0; c < Halves; ++c) {
+                tma_store_4d(tp.dk, 64 * c, at.head, seq.k_map_row(my_col0), seq.map_batch(), stK + c * Sub);
+                tma_store_4d(tp.dv, 64 * c, at.head, seq.k_map_row(my_col0), seq.map_batch(), stV + c * Sub);
+            }
+            bulk_commit();
+            bulk_wait<0>();
         }
-        bulk_commit();
-        bulk_wait<0>();
+    } else {
+        const int rows = seq.seqlen_k() - my_col0, tid = threadIdx.x % 128;
+        copy_stage_rows<Halves, 128>(stK, seq.template k_row<u16>(p.dk, at.head, my_col0), p.dk.row_stride, rows,
+                                     p.headdim, tid);
+        copy_stage_rows<Halves, 128>(stV, seq.template k_row<u16>(p.dv, at.head, my_col0), p.dv.row_stride, rows,
+                                     p.headdim, tid);
     }
 }
 
@@ -510,9 +526,11 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
-    const SeqInfo<BwdParams> seq(p, at.batch);
-    Mask<V, BwdParams> mask(p);
+    const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     const int n_tile = at.tile, col0 = n_tile * Bc;
+    if (V::Varlen && col0 >= seq.seqlen_k()) return;   // past a packed sequence's end
+    Mask<V, BwdParams> mask(p);
+    mask.at_batch(at.batch);
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
     if (threadIdx.x == 0) bar.init(Consumers);
@@ -520,7 +538,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 
     if (threadIdx.x >= Consumers) {
         setmaxnreg_dec<24>();
-        bwd_sm90_produce<Stages, Br, 1, Chunks>(tp, seq, steps, col0, at.batch, sK, sV, sQ, sdO, sstat, bar);
+        bwd_sm90_produce<Stages, Br, 1, Chunks>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar);
         return;
     }
     setmaxnreg_inc<240>();
@@ -638,7 +656,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
             // are the step's own: no add of the steps before reads them.
             const int col = HeadDim / 2 * wg + DQ_COLS * cc;
             if (cc < valid_chunks)
-                add_dq_rows<DQ_COLS / 8, NC>(dq_tile(p, seq.b, h, m0 + 16 * wq, col), stage[cc], dq[cc % 2],
+                add_dq_rows<DQ_COLS / 8, NC>(dq_tile(p, seq, h, m0 + 16 * wq, col), stage[cc], dq[cc % 2],
                                              min(DQ_COLS / 8, p.dq_accum_cols / 8 - col / 8), lane);
         }
         if (order) dq_turn_end(order, lane);
@@ -657,13 +675,21 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     stage_swizzled<Elem, 64>(stV, 16 * wq, lane, dv, [](int, int) { return 1.f; });
     fence_proxy_async();
     named_bar_sync(4 + wg, 128);
-    if (threadIdx.x % 128 == 0) {
+    if (seq.k_rows_own(col0, Bc)) {
+        if (threadIdx.x % 128 == 0) {
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            tma_store_4d(tp.dk, 64 * (2 * wg + hf), at.head, col0, at.batch, stK + hf * Sub);
-            tma_store_4d(tp.dv, 64 * (2 * wg + hf), at.head, col0, at.batch, stV + hf * Sub);
+            for (int hf = 0; hf < 2; ++hf) {
+                tma_store_4d(tp.dk, 64 * (2 * wg + hf), at.head, seq.k_map_row(col0), seq.map_batch(), stK + hf * Sub);
+                tma_store_4d(tp.dv, 64 * (2 * wg + hf), at.head, seq.k_map_row(col0), seq.map_batch(), stV + hf * Sub);
+            }
+            bulk_commit();
+            bulk_wait<0>();
         }
-        bulk_commit();
-        bulk_wait<0>();
+    } else {
+        const int rows = seq.seqlen_k() - col0, tid = threadIdx.x % 128, cols = p.headdim - HeadDim / 2 * wg;
+        copy_stage_rows<2, 128>(stK, seq.template k_row<u16>(p.dk, at.head, col0) + HeadDim / 2 * wg,
+                                p.dk.row_stride, rows, cols, tid);
+        copy_stage_rows<2, 128>(stV, seq.template k_row<u16>(p.dv, at.head, col0) + HeadDim / 2 * wg,
+                                p.dv.row_stride, rows, cols, tid);
     }
 }

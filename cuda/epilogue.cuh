@@ -55,8 +55,8 @@ __device__ __forceinline__ void stage_rows(u16* stage, int row0, int col0, const
 
 // The forward: O = acc / l (times out_scale: dropout's 1 / (1 - p)) of the warp's rows from
 // wrow, lse of every valid row, for the query block at row0 of head h. `stage` is the Q tile.
-template <typename Elem, int Br, int HeadDim, int Threads, int MT, int DT>
-__device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
+template <typename Elem, int Br, int HeadDim, int Threads, int MT, int DT, typename Seq>
+__device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const Seq& seq, int h, int row0,
                                              int rows_valid, int wrow, int lane, bool vec_ok, OnlineSoftmax<2 * MT>& softmax,
                                              float mult, float out_scale, const float (&acc)[MT][DT][4],
                                              u16* stage) {
@@ -74,7 +74,7 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<F
                 static_cast<float*>(p.lse)[seq.stat(h, row0 + r)] = lse[2 * m + hf];
         });
     __syncthreads();
-    store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.o, h, row0), p.o.row_stride, rows_valid,
+    store_tile<Br, HeadDim, Threads>(stage, seq.template q_row<u16>(p.o, h, row0), p.o.row_stride, rows_valid,
                                      p.headdim, vec_ok);
 }
 
@@ -85,6 +85,22 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const SeqInfo<F
 template <int Rows>
 __device__ __forceinline__ int swizzled_offset(int r, int c) {
     return (c / 64 * Rows + r) * 64 + ((c % 64 / 8) ^ (r % 8)) * 8 + c % 8;
+}
+
+// Rows [0, rows) of a stage of Chunks swizzled sub-tiles of 64 rows x 64 columns
+// (swizzled_offset<64>) to the rows from `dst` (row_stride elements apart), the columns below
+// `cols` (a multiple of 8) only, 16 bytes per thread and step, by Threads threads (tid: the
+// thread's index among them). For a tile the copy engine may not store whole: the last tile of
+// a packed sequence, whose rows past the sequence's end are the next sequence's.
+template <int Chunks, int Threads>
+__device__ __forceinline__ void copy_stage_rows(const u16* stage, u16* dst, index_t row_stride, int rows, int cols,
+                                                int tid) {
+    for (int i = tid; i < 64 * Chunks * 8; i += Threads) {
+        const int r = i / (Chunks * 8), c = i % (Chunks * 8) * 8;
+        if (r < rows && c < cols)
+            *reinterpret_cast<uint4*>(dst + r * row_stride + c) =
+                *reinterpret_cast<const uint4*>(stage + swizzled_offset<64>(r, c));
+    }
 }
 
 // stage_pairs into a swizzled stage of Rows rows (swizzled_offset), rows from wrow.
@@ -98,8 +114,8 @@ __device__ __forceinline__ void stage_swizzled(u16* stage, int wrow, int lane, c
 // The forward for a kernel that stores O with the copy engine (the Hopper forward): O = acc /
 // l of the warp's 16 rows from wrow into a swizzled stage of Rows rows, lse of the valid rows
 // straight to memory. row0 is the stage's first row in the sequence.
-template <typename Elem, int Rows, int MT, int DT, int Chains>
-__device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const SeqInfo<FwdParams>& seq, int h, int row0,
+template <typename Elem, int Rows, int MT, int DT, int Chains, typename Seq>
+__device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const Seq& seq, int h, int row0,
                                                    int wrow, int lane, OnlineSoftmax<2 * MT, Chains>& softmax, float mult,
                                                    const float (&acc)[MT][DT][4], u16* stage) {
     float inv_l[2 * MT], lse[2 * MT];
@@ -118,8 +134,8 @@ __device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const Seq
 // The dK/dV pass: dK = scale * dk and dV = dv of the warp's keys from key0 and head-dim
 // columns from col, for the key block at col0 of kv head hk, staged in sK and sV; a user
 // score_mod's array gradients, added up in shared memory by the block, go out first.
-template <typename Elem, int Bc, int HeadDim, int Threads, bool UserGrads, int KM, int DN>
-__device__ __forceinline__ void dkdv_epilogue(const BwdParams& p, const SeqInfo<BwdParams>& seq, int hk, int col0,
+template <typename Elem, int Bc, int HeadDim, int Threads, bool UserGrads, int KM, int DN, typename Seq>
+__device__ __forceinline__ void dkdv_epilogue(const BwdParams& p, const Seq& seq, int hk, int col0,
                                               int key0, int col, int lane, bool vec_ok,
                                               const float (&dk)[KM][DN][4], const float (&dv)[KM][DN][4],
                                               u16* sK, u16* sV) {
@@ -129,21 +145,21 @@ __device__ __forceinline__ void dkdv_epilogue(const BwdParams& p, const SeqInfo<
     stage_rows<Elem, HeadDim + SMEM_PAD>(sK, key0, col, dk, lane, scale);
     stage_rows<Elem, HeadDim + SMEM_PAD>(sV, key0, col, dv, lane, 1.f);
     __syncthreads();
-    store_tile<Bc, HeadDim, Threads>(sK, seq.k_row<u16>(p.dk, hk, col0), p.dk.row_stride, seq.seqlen_k() - col0,
+    store_tile<Bc, HeadDim, Threads>(sK, seq.template k_row<u16>(p.dk, hk, col0), p.dk.row_stride, seq.seqlen_k() - col0,
                                      p.headdim, vec_ok);
-    store_tile<Bc, HeadDim, Threads>(sV, seq.k_row<u16>(p.dv, hk, col0), p.dv.row_stride, seq.seqlen_k() - col0,
+    store_tile<Bc, HeadDim, Threads>(sV, seq.template k_row<u16>(p.dv, hk, col0), p.dv.row_stride, seq.seqlen_k() - col0,
                                      p.headdim, vec_ok);
 }
 
 // The deterministic dQ pass: dQ = scale * dq of the warp's 16 rows from wrow, for the query
 // block at row0 of head h, staged in `stage` (the Q tile).
-template <typename Elem, int Br, int HeadDim, int Threads, int DT>
-__device__ __forceinline__ void dq_epilogue(const BwdParams& p, const SeqInfo<BwdParams>& seq, int h, int row0,
+template <typename Elem, int Br, int HeadDim, int Threads, int DT, typename Seq>
+__device__ __forceinline__ void dq_epilogue(const BwdParams& p, const Seq& seq, int h, int row0,
                                             int wrow, int lane, bool vec_ok, const float (&dq)[DT][4], u16* stage) {
     epilogue_begin();
     const float scale = static_cast<float>(p.scale);
     stage_rows<Elem, HeadDim + SMEM_PAD>(stage, wrow, 0, reinterpret_cast<const float(&)[1][DT][4]>(dq), lane, scale);
     __syncthreads();
-    store_tile<Br, HeadDim, Threads>(stage, seq.q_row<u16>(p.dq, h, row0), p.dq.row_stride, seq.seqlen_q() - row0,
+    store_tile<Br, HeadDim, Threads>(stage, seq.template q_row<u16>(p.dq, h, row0), p.dq.row_stride, seq.seqlen_q() - row0,
                                      p.headdim, vec_ok);
 }

@@ -57,7 +57,8 @@ flash_fwd_kernel(const FwdParams p) {
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
     if (at.batch >= p.batch) return;
-    const SeqInfo<FwdParams> seq(p, at.batch);
+    const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
+    if (V::Varlen && at.tile * Br >= seq.seqlen_q()) return;   // past a packed sequence's end
     Mask<V, FwdParams> mask(p);
     const int h = at.head, hk = h / p.group;
     mask.at_head(at.batch, h);
@@ -71,9 +72,9 @@ flash_fwd_kernel(const FwdParams p) {
     const bool vec_ok = p.vec_ok != 0;
     const int rows_valid = seq.seqlen_q() - row0;
 
-    const u16* gQ = seq.q_row<const u16>(p.q, h, row0);
-    const u16* gK = seq.k_row<const u16>(p.k, hk, 0);
-    const u16* gV = seq.k_row<const u16>(p.v, hk, 0);
+    const u16* gQ = seq.template q_row<const u16>(p.q, h, row0);
+    const u16* gK = seq.template k_row<const u16>(p.k, hk, 0);
+    const u16* gV = seq.template k_row<const u16>(p.v, hk, 0);
 
     const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, qblock, Br, Bc);
 

@@ -88,6 +88,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         return block_coord_at<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; }, w % gx, w % gxy / gx,
                                       w / gxy);
     };
+    // No work: past the grid's end (its last group of heads may be short), or past the end of
+    // a packed sequence (the grid covers the longest).
+    auto idle = [&](int w) {
+        const BlockCoord at = tile(w);
+        return at.batch >= p.batch || (V::Varlen && at.tile * Br >= PackedRows<FwdParams>(p, at.batch).sq());
+    };
     Mask<V, FwdParams> mask(p);
 
     if (threadIdx.x == 0) {
@@ -112,8 +118,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         if (threadIdx.x != Consumers) return;
         auto next_tile = [&]() { return Persistent ? static_cast<int>(gridDim.x) + atomicAdd(tp.counter, 1) : n_work; };
         for (int w = blockIdx.x, t = 0, g = 0;; ++t) {
-            // Past the grid's end (its last group of heads may be short) a block has no work.
-            while (w < n_work && tile(w).batch >= p.batch) w = next_tile();
+            while (w < n_work && idle(w)) w = next_tile();
             if (t > 0) mbar_wait(&q_empty, (t - 1) & 1);
             tile_slot = w < n_work ? w : -1;
             if (w >= n_work) {
@@ -121,14 +126,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 return;
             }
             const BlockCoord at = tile(w);
+            const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
             const int h = at.head, hk = h / p.group;
             mask.at_head(at.batch, h);
             const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
             mbar_expect_bytes(&q_full, Groups * Halves * SubQ * 2);
             for (int part = 0; part < Groups; ++part)
                 for (int c = 0; c < Halves; ++c)
-                    tma_load_4d(sQ + (part * Halves + c) * SubQ, tp.q, 64 * c, h, at.tile * Br + 64 * part,
-                                at.batch, &q_full);
+                    tma_load_4d(sQ + (part * Halves + c) * SubQ, tp.q, 64 * c, h,
+                                seq.q_map_row(at.tile * Br + 64 * part), seq.map_batch(), &q_full);
             w = next_tile();
 #pragma unroll 1
             for (int it = 0; it < kb.count; ++it, ++g) {
@@ -137,11 +143,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 if (g >= Stages) mbar_wait(&k_empty[buf], reuse);
                 mbar_expect_bytes(&k_full[buf], Halves * SubKV * 2);
                 for (int c = 0; c < Halves; ++c)
-                    tma_load_4d(sK + (buf * Halves + c) * SubKV, tp.k, 64 * c, hk, n0, at.batch, &k_full[buf]);
+                    tma_load_4d(sK + (buf * Halves + c) * SubKV, tp.k, 64 * c, hk, seq.k_map_row(n0),
+                                seq.map_batch(), &k_full[buf]);
                 if (g >= Stages) mbar_wait(&v_empty[buf], reuse);
                 mbar_expect_bytes(&v_full[buf], Halves * SubKV * 2);
                 for (int c = 0; c < Halves; ++c)
-                    tma_load_4d(sV + (buf * Halves + c) * SubKV, tp.v, 64 * c, hk, n0, at.batch, &v_full[buf]);
+                    tma_load_4d(sV + (buf * Halves + c) * SubKV, tp.v, 64 * c, hk, seq.k_map_row(n0),
+                                seq.map_batch(), &v_full[buf]);
             }
         }
     }
@@ -214,7 +222,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         const int w = *static_cast<volatile int*>(&tile_slot);
         if (w < 0) break;
         const BlockCoord at = tile(w);
-        const SeqInfo<FwdParams> seq(p, at.batch);
+        const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
         const int h = at.head, row0 = at.tile * Br;
         mask.at_head(at.batch, h);
         mod.at_head(at.batch, h);
@@ -283,11 +291,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         fwd_stage_swizzled<Elem, 64>(p, seq, h, row0 + 64 * wg, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
         fence_proxy_async();
         named_bar_sync(own_bar, 128);
-        if (store_thread) {
+        const int my_row0 = row0 + 64 * wg;
+        if (seq.q_rows_own(my_row0, 64)) {
+            if (store_thread) {
 #pragma unroll
-            for (int c = 0; c < Halves; ++c) tma_store_4d(tp.o, 64 * c, h, row0 + 64 * wg, at.batch, myO + c * SubQ);
-            bulk_commit();
-            if (!OwnStage) bulk_wait_read<0>();
+                for (int c = 0; c < Halves; ++c)
+                    tma_store_4d(tp.o, 64 * c, h, seq.q_map_row(my_row0), seq.map_batch(), myO + c * SubQ);
+                bulk_commit();
+                if (!OwnStage) bulk_wait_read<0>();
+            }
+        } else {
+            copy_stage_rows<Halves, 128>(myO, seq.template q_row<u16>(p.o, h, my_row0), p.o.row_stride,
+                                         seq.seqlen_q() - my_row0, p.headdim, threadIdx.x % 128);
         }
         if (!OwnStage) {
             named_bar_sync(own_bar, 128);   // the store has read Q's tile: the next Q may land

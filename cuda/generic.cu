@@ -233,7 +233,8 @@ generic_fwd_kernel(const FwdParams p) {
     T* v_tile = k_tile + kChunk * (HeadDim + 1);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const SeqInfo seq(p, blockIdx.z);
+    const SeqInfo<FwdParams, V::Seq> seq(p, blockIdx.z);
+    if (V::Varlen && static_cast<int>(blockIdx.x) * kWarps >= seq.seqlen_q()) return;   // past a packed sequence
     Mask<V, decltype(p)> mask(p);
     const int h = blockIdx.y, hk = h / p.group;
     mask.at_head(seq.b, h);
@@ -250,9 +251,9 @@ generic_fwd_kernel(const FwdParams p) {
     const int first_row = blockIdx.x * kWarps;
     const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
-    auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
-    auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
-    auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
+    auto q_rows = [&](int r) { return seq.template q_row<const T>(p.q, h, r); };
+    auto k_rows = [&](int r) { return seq.template k_row<const T>(p.k, hk, r); };
+    auto v_rows = [&](int r) { return seq.template k_row<const T>(p.v, hk, r); };
 
     T q[N], o[N];
     load_row(q, q_rows, row, seq.seqlen_q(), p.headdim, lane);
@@ -295,7 +296,7 @@ generic_fwd_kernel(const FwdParams p) {
         // A row that saw no key (causal, seqlen_q > seqlen_k) has l = 0: output 0, lse -inf.
         // A NaN l (NaN in q or k, a +inf score) is not that: out and lse stay NaN.
         const bool seen = l != T(0);
-        store_row(seq.q_row<T>(p.o, h, row), o, seen ? T(1) / l : T(0), p.headdim, lane);
+        store_row(seq.template q_row<T>(p.o, h, row), o, seen ? T(1) / l : T(0), p.headdim, lane);
         if (lane == 0)
             static_cast<T*>(p.lse)[seq.stat(h, row)] = seen ? Prec<T>::lse_ln(m, l) : -Prec<T>::inf();
     }
@@ -312,7 +313,8 @@ generic_bwd_dq_kernel(const BwdParams p) {
     T* v_tile = k_tile + kChunk * (HeadDim + 1);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const SeqInfo seq(p, blockIdx.z);
+    const SeqInfo<BwdParams, V::Seq> seq(p, blockIdx.z);
+    if (V::Varlen && static_cast<int>(blockIdx.x) * kWarps >= seq.seqlen_q()) return;   // past a packed sequence
     Mask<V, decltype(p)> mask(p);
     const int h = blockIdx.y, hk = h / p.group;
     mask.at_head(seq.b, h);
@@ -327,10 +329,10 @@ generic_bwd_dq_kernel(const BwdParams p) {
     const int first_row = blockIdx.x * kWarps;
     const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
     const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
-    auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
-    auto dout_rows = [&](int r) { return seq.q_row<const T>(p.dout, h, r); };
-    auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
-    auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
+    auto q_rows = [&](int r) { return seq.template q_row<const T>(p.q, h, r); };
+    auto dout_rows = [&](int r) { return seq.template q_row<const T>(p.dout, h, r); };
+    auto k_rows = [&](int r) { return seq.template k_row<const T>(p.k, hk, r); };
+    auto v_rows = [&](int r) { return seq.template k_row<const T>(p.v, hk, r); };
 
     T q[N], dout[N], dq[N];
     load_row(q, q_rows, row, seq.seqlen_q(), p.headdim, lane);
@@ -366,7 +368,7 @@ generic_bwd_dq_kernel(const BwdParams p) {
     }
 
     // Rows without keys never entered the loop: dq = 0.
-    if (active) store_row(seq.q_row<T>(p.dq, h, row), dq, static_cast<T>(p.scale), p.headdim, lane);
+    if (active) store_row(seq.template q_row<T>(p.dq, h, row), dq, static_cast<T>(p.scale), p.headdim, lane);
 }
 
 template <typename T, int HeadDim, typename V>
@@ -380,8 +382,10 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     T* dout_tile = q_tile + kChunk * (HeadDim + 1);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const SeqInfo seq(p, blockIdx.z);
+    const SeqInfo<BwdParams, V::Seq> seq(p, blockIdx.z);
+    if (V::Varlen && static_cast<int>(blockIdx.x) * kWarps >= seq.seqlen_k()) return;   // past a packed sequence
     Mask<V, decltype(p)> mask(p);
+    mask.at_batch(seq.b);
     const int hk = blockIdx.y;
     const int key = blockIdx.x * kWarps + warp;
     const bool active = key < seq.seqlen_k();
@@ -395,8 +399,8 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     PlainScoreMod<V, T> mod(p);
     Dropout drop(p, seq.b, 0);
     const T drop_scale = static_cast<T>(p.drop.scale);
-    auto k_rows = [&](int r) { return seq.k_row<const T>(p.k, hk, r); };
-    auto v_rows = [&](int r) { return seq.k_row<const T>(p.v, hk, r); };
+    auto k_rows = [&](int r) { return seq.template k_row<const T>(p.k, hk, r); };
+    auto v_rows = [&](int r) { return seq.template k_row<const T>(p.v, hk, r); };
 
     T k[N], v[N], dk[N], dv[N];
     load_row(k, k_rows, key, seq.seqlen_k(), p.headdim, lane);
@@ -410,8 +414,8 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
         mod.at_head(p, seq.b, h);
         mask.at_head(seq.b, h);
         drop.at_head(p, seq.b, h);
-        auto q_rows = [&](int r) { return seq.q_row<const T>(p.q, h, r); };
-        auto dout_rows = [&](int r) { return seq.q_row<const T>(p.dout, h, r); };
+        auto q_rows = [&](int r) { return seq.template q_row<const T>(p.q, h, r); };
+        auto dout_rows = [&](int r) { return seq.template q_row<const T>(p.dout, h, r); };
         // Each query head its own list (one shared list when the mask has one head).
         const Chunks chunks = visited_chunks(p.q_blocks, h, first_key, mask.query_begin(first_key),
                                              mask.query_end(last_key));
@@ -443,7 +447,7 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
     }
 
     if (active) {
-        store_row(seq.k_row<T>(p.dk, hk, key), dk, static_cast<T>(p.scale), p.headdim, lane);
-        store_row(seq.k_row<T>(p.dv, hk, key), dv, T(1), p.headdim, lane);
+        store_row(seq.template k_row<T>(p.dk, hk, key), dk, static_cast<T>(p.scale), p.headdim, lane);
+        store_row(seq.template k_row<T>(p.dv, hk, key), dv, T(1), p.headdim, lane);
     }
 }

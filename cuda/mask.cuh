@@ -6,17 +6,26 @@
 #pragma once
 #include "common.cuh"
 #include "variant.cuh"
+#include "seqinfo.cuh"
 
 template <typename V, typename Params>
 struct Mask {
     const Params& p;   // seqlen_q, seqlen_k, and the band of a local Variant
     int b = 0, h = 0;  // the batch entry and query head a user mask_mod is asked about
+    SeqLens<V::Seq> lens;   // the entry's lengths (packed sequences differ)
 
     __device__ __forceinline__ explicit Mask(const Params& params) : p(params) {}
-    __device__ __forceinline__ void at_head(int batch, int head) { b = batch; h = head; }
+    __device__ __forceinline__ void at_head(int batch, int head) {
+        b = batch;
+        h = head;
+        lens.at(p, batch);
+    }
 
-    __device__ __forceinline__ int seqlen_q() const { return p.seqlen_q; }
-    __device__ __forceinline__ int seqlen_k() const { return p.seqlen_k; }
+    // The entry's lengths alone, for a pass that walks several heads (at_head per head).
+    __device__ __forceinline__ void at_batch(int batch) { lens.at(p, batch); }
+
+    __device__ __forceinline__ int seqlen_q() const { return lens.q(p); }
+    __device__ __forceinline__ int seqlen_k() const { return lens.k(p); }
 
     // The first key row `row` sees (0 unless a window bounds the left side).
     __device__ __forceinline__ int key_begin(int row) const {

@@ -61,6 +61,24 @@ struct UserParams {
                                   // dK/dV pass adds up that float32 gradient first (user.cuh)
 };
 
+// A packed variable-length batch (Variant::Varlen, seqinfo.cuh): sequence b's query rows are
+// cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of the (total_q, nheads, headdim) tensors, its keys
+// likewise; int32, batch + 1 entries each. Unused by dense calls.
+struct VarlenParams {
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    int total_q;         // the row statistics are (nheads, total_q)
+};
+
+// The KV cache of a decoding call (SEQ_CACHE, SEQ_PAGED: seqinfo.cuh). Unused by other calls.
+struct CacheParams {
+    const int* seqlens;       // (batch,) keys in each entry's cache before this call's append
+    const int* block_table;   // SEQ_PAGED: (batch, pages_per_seq) page indices
+    int new_keys;             // keys this call appended to every entry
+    int page_size;            // SEQ_PAGED: rows per page
+    int pages_per_seq;
+};
+
 struct FwdParams {
     TensorRef q, k, v, o;
     void* lse;           // (batch, nheads, seqlen_q), contiguous, natural log; float32,
@@ -77,6 +95,8 @@ struct FwdParams {
     DropoutParams drop;
     BlockList kv_blocks; // per query tile, the key tiles to visit
     UserParams user;
+    VarlenParams varlen;
+    CacheParams cache;
 };
 
 struct BwdParams {
@@ -103,6 +123,7 @@ struct BwdParams {
     BlockList kv_blocks; // per query tile, the key tiles to visit (dQ pass)
     BlockList q_blocks;  // per key tile, the query tiles that visit it (dK/dV pass)
     UserParams user;
+    VarlenParams varlen;
 };
 
 // The list of one (head, tile) row of a BlockList.

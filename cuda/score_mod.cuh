@@ -26,6 +26,7 @@ struct ScoreMod {
     const Params& p;
     float bias;   // ALiBi: the bias per unit of distance for this (batch, head), in held units
     int b = 0, h = 0;   // the batch entry and query head a user score_mod is asked about
+    SeqLens<V::Seq> lens;   // the entry's lengths (ALiBi's diagonal, the user's clamps)
 
     __device__ __forceinline__ explicit ScoreMod(const Params& params) : p(params), bias(0.f) {}
 
@@ -41,17 +42,18 @@ struct ScoreMod {
         h = head;
         if constexpr (V::Alibi)
             bias = p.mod.alibi[static_cast<index_t>(batch) * p.mod.alibi_stride + head] * p.mod.alibi_unit;
+        if constexpr (V::Alibi || V::UserScore) lens.at(p, batch);
     }
 
     // The user's score_mod of a raw q.k at (query, key), and d loss / d (q.k * scale) from
     // d loss / d its result (adding to the arrays' gradients where `accumulate`). Coordinates
     // are clamped into the sequences as in Mask::user_hides.
     __device__ __forceinline__ float user_score(float raw, int query, int key) const {
-        return V::Mods::score(p.user, raw * p.mod.scale, b, h, min(query, p.seqlen_q - 1), min(key, p.seqlen_k - 1));
+        return V::Mods::score(p.user, raw * p.mod.scale, b, h, min(query, lens.q(p) - 1), min(key, lens.k(p) - 1));
     }
     __device__ __forceinline__ float user_grad(float raw, float dscore, int query, int key, bool accumulate) const {
-        return V::Mods::grad(p.user, raw * p.mod.scale, dscore, b, h, min(query, p.seqlen_q - 1),
-                             min(key, p.seqlen_k - 1), accumulate);
+        return V::Mods::grad(p.user, raw * p.mod.scale, dscore, b, h, min(query, lens.q(p) - 1),
+                             min(key, lens.k(p) - 1), accumulate);
     }
 
     // The held value of a raw score.
@@ -76,7 +78,7 @@ struct ScoreMod {
     // below 2^24.
     template <bool Transposed>
     __device__ __forceinline__ float dist0(const ScoreCoords<Transposed>& at) const {
-        return static_cast<float>(at.diff0 - (p.seqlen_k - p.seqlen_q));
+        return static_cast<float>(at.diff0 - (lens.k(p) - lens.q(p)));
     }
     // The bias of the element at distance offset ddiff from the lane's base.
     __device__ __forceinline__ float bias_at(float dist0, int ddiff, float held_value) const {
@@ -111,7 +113,7 @@ template <typename V, typename T>
 struct PlainScoreMod {
     T cap;     // softcap * unit
     T bias;    // -slope * unit of the selected head
-    int b, h, seqlen_q, seqlen_k;
+    int b, h, seqlen_q, seqlen_k;   // the selected entry's lengths
 
     template <typename Params>
     __device__ __forceinline__ PlainScoreMod(const Params& p)
@@ -124,6 +126,12 @@ struct PlainScoreMod {
         b = batch;
         h = head;
         if constexpr (V::Alibi) bias = -static_cast<T>(p.mod.alibi[static_cast<index_t>(batch) * p.mod.alibi_stride + head]) * unit();
+        if constexpr (V::Varlen) {
+            SeqLens<SEQ_PACKED> lens;
+            lens.at(p, batch);
+            seqlen_q = lens.sq;
+            seqlen_k = lens.sk;
+        }
     }
 
     template <typename Params>

@@ -7,6 +7,7 @@ current stream; nothing here synchronizes.
 import dataclasses
 import functools
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,14 +36,22 @@ _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("gr
          ("seqlen_q", np.int32), ("seqlen_k", np.int32), ("headdim", np.int32),
          ("vec_ok", np.int32), ("launch_group", np.int32), ("scale", np.float64), ("scale_log2", np.float32),
          ("window_left", np.int32), ("window_right", np.int32), ("mod", SCORE_PARAMS), ("drop", DROPOUT_PARAMS)]
+VARLEN_PARAMS = np.dtype([("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("total_q", np.int32)],
+                         align=True)
+CACHE_PARAMS = np.dtype([("seqlens", np.uint64), ("block_table", np.uint64), ("new_keys", np.int32),
+                         ("page_size", np.int32), ("pages_per_seq", np.int32)], align=True)
 FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
                       + [("lse", np.uint64)] + _DIMS
-                      + [("kv_blocks", BLOCK_LIST), ("user", USER_PARAMS)], align=True)
+                      + [("kv_blocks", BLOCK_LIST), ("user", USER_PARAMS), ("varlen", VARLEN_PARAMS),
+                         ("cache", CACHE_PARAMS)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
                       + [("lse", np.uint64), ("dsum", np.uint64), ("lse_log2", np.uint64), ("dq_accum", np.uint64),
                          ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32)]
                       + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST),
-                                 ("user", USER_PARAMS)], align=True)
+                                 ("user", USER_PARAMS), ("varlen", VARLEN_PARAMS)], align=True)
+# cuda/seqinfo.cuh's ACCUM_ALIGN: packed sequences' slices of the fp32 dQ buffer start at
+# multiples of it (varlen_dq_accum_rows).
+VARLEN_ACCUM_ALIGN = 128
 
 # Causal passes: tiles per launch group, in multiples of the SM count (see _tile_grid). With 8,
 # a simulation of greedy block scheduling (tile lengths of causal attention, 132 SMs, seqlen
@@ -76,9 +85,54 @@ def _vec_ok(*arrays):
     return True
 
 
-def _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout):
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
+class Packed(NamedTuple):
+    """A packed variable-length batch (cuda/seqinfo.cuh): CuPy int32 offsets of batch + 1
+    entries and the longest sequences' lengths, which size the grids. The kernels see its
+    (total, nheads, headdim) tensors as (1, total, nheads, headdim)."""
+    cu_seqlens_q: object
+    cu_seqlens_k: object
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self):
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+class Cache(NamedTuple):
+    """A KV cache's keys (cuda/seqinfo.cuh's SEQ_CACHE, SEQ_PAGED): CuPy int32 lengths before
+    the call's append, the block table of a paged cache (None: contiguous), the keys appended,
+    the pages' rows and the table's width, and the longest entry's keys (the grids' seqlen_k)."""
+    seqlens: object
+    block_table: object
+    new_keys: int
+    page_size: int
+    pages_per_seq: int
+    max_keys: int
+
+
+def _dims(q, k, layout):
+    """(batch, seqlen_q, seqlen_k) of the grids: q's and k's, a packed batch's, or a cache's."""
+    if layout is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    if isinstance(layout, Cache):
+        return q.shape[0], q.shape[1], layout.max_keys
+    return layout.batch, layout.max_seqlen_q, layout.max_seqlen_k
+
+
+def _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout, layout=None):
+    b, sq, sk = _dims(q, k, layout)
+    h, d = q.shape[2:]
+    if isinstance(layout, Packed):
+        rec = p["varlen"]
+        rec["cu_seqlens_q"], rec["cu_seqlens_k"] = layout.cu_seqlens_q.data.ptr, layout.cu_seqlens_k.data.ptr
+        rec["total_q"] = q.shape[1]
+    elif isinstance(layout, Cache):
+        rec = p["cache"]
+        rec["seqlens"] = layout.seqlens.data.ptr
+        rec["block_table"] = 0 if layout.block_table is None else layout.block_table.data.ptr
+        rec["new_keys"], rec["page_size"], rec["pages_per_seq"] = (layout.new_keys, layout.page_size,
+                                                                   layout.pages_per_seq)
     p["batch"], p["nheads"], p["nheads_k"] = b, h, k.shape[2]
     p["group"] = h // k.shape[2]
     p["seqlen_q"], p["seqlen_k"], p["headdim"] = sq, sk, d
@@ -467,9 +521,9 @@ def _row_map(x, dtype, rows):
                       (x.strides[2], x.strides[1], x.strides[0]), (64, 1, rows, 1))
 
 
-def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
-    b, sq, h, _ = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed=None):
+    b, sq, sk = _dims(q, k, packed)
+    h, hk = q.shape[2], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
     keys, rows = sm90_bwd_keys(hd), sm90_bwd_rows(hd)
     if block_mask is not None:
@@ -496,8 +550,9 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic):
     _launch("bwd_sm90.cu", name, grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods)
 
 
-def _forward_sm90(p, q, k, v, out, spec, block_mask):
-    b, sq, h, _ = q.shape
+def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
+    b, sq, _ = _dims(q, k, packed)
+    h = q.shape[2]
     hd = sm90_headdim(spec.headdim)
     groups, keys = sm90_fwd_tile(spec, block_mask)
     rows = 64 * groups
@@ -523,21 +578,23 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask):
 
 
 def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, dropout=None,
-            user_arrays=()):
+            user_arrays=(), packed=None):
     """Launch the forward pass of the call ``spec`` (a CallSpec). ``out`` and ``lse`` are
     preallocated outputs; ``dropout`` the (seed, offset) of a spec with dropout;
-    ``user_arrays`` those of its user mods (``_fill_user``)."""
+    ``user_arrays`` those of its user mods (``_fill_user``); ``packed``: the Packed batch of a
+    spec with varlen, whose q, k, v and out come as (1, total, nheads, headdim)."""
     p = np.zeros((), FWD_PARAMS)
     _fill_user(p["user"], user_arrays)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         _tensor_ref(p[name], a)
     p["lse"] = lse.data.ptr
-    _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout)
+    _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout, packed)
     p["vec_ok"] = _vec_ok(q, k, v, out)
-    b, sq, h, d = q.shape
+    b, sq, _ = _dims(q, k, packed)
+    h = q.shape[2]
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
     if kernel_family(spec, block_mask, q, k, v) == "sm90":
-        _forward_sm90(p, q, k, v, out, spec, block_mask)
+        _forward_sm90(p, q, k, v, out, spec, block_mask, packed)
     elif spec.dtype in TENSOR_CORE:
         def name_of(t):
             return ("fwd.cu", template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps,
@@ -561,12 +618,13 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask=None,
              alibi_slopes=None, dropout=None, user_arrays=(), user_grads=None,
-             deterministic=False):
+             deterministic=False, packed=None):
     """Launch the backward passes of the call ``spec``. ``dq``, ``dk``, ``dv`` and ``stats``
     (D and lse in log2 units, ``(2,) + lse.shape`` in lse's dtype, written by the first pass)
-    are preallocated; ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape)``, or
-    None (the deterministic generic pass, the plain path). ``deterministic`` with a
-    ``dq_accum``: the Hopper pass, adding dQ in key order (``bwd_family``)."""
+    are preallocated; ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape,
+    packed)``, or None (the deterministic generic pass, the plain path). ``deterministic``
+    with a ``dq_accum``: the Hopper pass, adding dQ in key order (``bwd_family``).
+    ``packed`` as for ``forward``."""
     p = np.zeros((), BWD_PARAMS)
     _fill_user(p["user"], user_arrays, user_grads)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
@@ -576,14 +634,15 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     if dq_accum is not None:
         p["dq_accum"] = dq_accum.data.ptr
         p["dq_accum_rows"], p["dq_accum_cols"] = dq_accum.shape[2:]
-    _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout)
+    _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout, packed)
     p["vec_ok"] = _vec_ok(q, k, v, out, dout, dq, dk, dv)
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    b, sq, sk = _dims(q, k, packed)
+    h, hk = q.shape[2], k.shape[2]
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
     causal = spec.causal
     rows = (_config.cdiv(sq, _config.GENERIC_WARPS), h, b)
-    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem), rows,
+    varlen = (str(_spec.SEQ_PACKED),) if spec.varlen else ()
+    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen), rows,
             32 * _config.GENERIC_WARPS, 0, p[()])
     hopper = bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv,
                         deterministic=deterministic) == "sm90"
@@ -591,11 +650,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
     if dq_accum is not None and hopper:
         step = sm90_bwd_rows(sm90_bwd_headdim(hd))
-        if dq_accum.shape != (b, h, dq_accum.shape[2], hd) or dq_accum.shape[2] % step:
+        if dq_accum.shape != dq_accum_shape(q.shape, packed) or dq_accum.shape[2] % step or dq_accum.shape[3] != hd:
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
-        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic)
-        _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True), (_config.cdiv(sq, 16), h, b),
+        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed)
+        _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True, *varlen), (_config.cdiv(sq, 16), h, b),
                 DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
@@ -607,7 +666,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         if dq_accum is not None:
             # The dK/dV kernel adds whole tiles of t.br rows x the head-dim bucket, unchecked.
             rows, cols = dq_accum.shape[2:]
-            if dq_accum.shape[:2] != (b, h) or rows % t.br or rows < sq or cols != hd:
+            if dq_accum.shape != dq_accum_shape(q.shape, packed) or rows % t.br or cols != hd:
                 raise AssertionError(f"dq_accum {dq_accum.shape}: the kernel adds {t.br}-row "
                                      f"tiles of {hd} columns for (batch, seqlen_q, nheads) = "
                                      f"{(b, sq, h)}")
@@ -631,8 +690,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
             _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, causal), 32 * t.warps,
                     smem, p[()], spec.user_mods)
         else:
-            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, False), (_config.cdiv(sq, 16), h, b),
-                    DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
+            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, False, *varlen),
+                    (_config.cdiv(sq, 16), h, b), DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
     else:
         if block_mask is not None:
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=True)
@@ -645,12 +704,112 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
                 spec.user_mods)
 
 
-def dq_accum_shape(shape):
+# cuda/decode.cu: four warps, 16-key slices, splits of whole 64-key steps.
+DECODE_THREADS, DECODE_KEYS = 128, 64
+DECODE_PARAMS = np.dtype({"names": ["base", "o_part", "lse_part", "splits", "split_keys", "row_chunks"],
+                          "formats": [FWD_PARAMS, np.uint64, np.uint64, np.int32, np.int32, np.int32],
+                          "offsets": [0] + [_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + o for o in (0, 8, 16, 20, 24)],
+                          "itemsize": _config.cdiv(_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + 28, 8) * 8})
+
+
+def decode_smem(hd):
+    """cuda/decode.cu's decode_smem: Q (16 rows) and four warps' rings of K and V slices (16
+    rows each; three stages up to head dim 128, two above), rows padded by SMEM_PAD."""
+    stages = 3 if hd <= 128 else 2
+    return (16 + 4 * stages * 2 * 16) * (hd + _config.SMEM_PAD) * 2
+
+
+def decode_supported(spec, q, k_cache, v_cache, k=None, v=None):
+    """The decode kernels (cuda/decode.cu) run this call: fp16/bf16 with 16-byte aligned rows;
+    else the cache is gathered and flash_attention_varlen runs (cupyflash/kvcache.py)."""
+    arrays = [a for a in (q, k_cache, v_cache, k, v) if a is not None]
+    return spec.dtype in TENSOR_CORE and _vec_ok(*arrays)
+
+
+def decode_splits(blocks, max_keys, slots, requested=0):
+    """Splits of each entry's keys: ``requested``, or the fewest whose blocks fill the GPU's
+    ``slots`` (SMs x blocks per SM) in waves at least 85% as well as the best count up to 128
+    does (each split at least one 64-key step; counts that give the same keys per split as a
+    smaller one skipped). Published split-KV heuristics choose the same way."""
+    steps = max(1, _config.cdiv(max_keys, DECODE_KEYS))
+    if requested:
+        return min(requested, steps)
+    if blocks >= 0.8 * slots:
+        return 1
+    def efficiency(n):
+        waves = blocks * n / slots
+        return waves / np.ceil(waves)
+    counts = [n for n in range(1, min(128, steps) + 1)
+              if n == 1 or _config.cdiv(steps, n) != _config.cdiv(steps, n - 1)]
+    best = max(efficiency(n) for n in counts)
+    return next(n for n in counts if efficiency(n) >= 0.85 * best)
+
+
+def kvcache_append(k_cache, v_cache, k, v, layout):
+    """cuda/decode.cu's kvcache_append_kernel: the new keys and values into the caches."""
+    p = np.zeros((), FWD_PARAMS)
+    for name, a in (("q", k), ("o", v), ("k", k_cache), ("v", v_cache)):
+        _tensor_ref(p[name], a)
+    p["headdim"] = k.shape[3]
+    _fill_dims(p, k, k_cache, 1.0, _spec.CallSpec(k.dtype.name, 0), None, None, layout)
+    storage = {2: "u16", 4: "float", 8: "double"}[k.itemsize]
+    seq = _spec.SEQ_PAGED if layout.block_table is not None else _spec.SEQ_CACHE
+    _launch("decode.cu", template_name("kvcache_append_kernel", storage, seq), (k.shape[1], k.shape[2], k.shape[0]),
+            DECODE_THREADS, 0, p[()])
+
+
+def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num_splits=0):
+    """cuda/decode.cu's flash_decode_kernel over the cache ``layout`` (a Cache), with split-KV
+    and flash_decode_merge_kernel when more than one split runs."""
+    import cupy
+    p = np.zeros((), DECODE_PARAMS)
+    base = p["base"]
+    for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out)):
+        _tensor_ref(base[name], a)
+    base["lse"] = lse.data.ptr
+    _fill_dims(base, q, k_cache, scale, spec, alibi_slopes, None, layout)
+    b, sq, h, _ = q.shape
+    hk, hd = k_cache.shape[2], spec.headdim
+    chunks = _config.cdiv(h // hk * sq, 16)
+    smem = decode_smem(hd)
+    blocks = b * hk * chunks
+    splits = decode_splits(blocks, layout.max_keys, _sm_count() * max(1, _smem_limit() // smem), num_splits)
+    split_keys = _config.cdiv(_config.cdiv(max(layout.max_keys, 1), splits), DECODE_KEYS) * DECODE_KEYS
+    splits = max(1, _config.cdiv(layout.max_keys, split_keys))
+    p["splits"], p["split_keys"], p["row_chunks"] = splits, split_keys, chunks
+    if splits > 1:
+        o_part = cupy.empty((splits, b, h, sq, hd), cupy.float32)
+        lse_part = cupy.empty((splits, b, h, sq), cupy.float32)
+        p["o_part"], p["lse_part"] = o_part.data.ptr, lse_part.data.ptr
+    elem, variant = ELEM[spec.dtype], spec.variant()
+    _launch("decode.cu", template_name("flash_decode_kernel", elem, hd, variant), (splits, hk * chunks, b),
+            DECODE_THREADS, smem, p[()])
+    if splits > 1:
+        _launch("decode.cu", template_name("flash_decode_merge_kernel", elem, hd), (sq, h, b), hd, 0, p[()])
+
+
+def dq_buffer(spec, block_mask, deterministic, q, k, v, out, dout, dq, dk, dv, packed=None):
+    """The zeroed fp32 dQ buffer (``dq_accum_shape``) the backward of this call adds into, or
+    None: dQ is added up in it in any order, or in key order where the Hopper pass runs
+    deterministic=True (else dQ has a pass of its own), and the plain kernels take none."""
+    import cupy
+    if spec.dtype not in TENSOR_CORE or (deterministic and bwd_family(
+            spec, block_mask, q, k, v, out, dout, dq, dk, dv, deterministic=True) != "sm90"):
+        return None
+    return cupy.zeros(dq_accum_shape(q.shape, packed), cupy.float32)
+
+
+def dq_accum_shape(shape, packed=None):
     """The fp32 dQ buffer of the atomic backward, (batch, nheads, rows, cols) floats in the
     tile order of bwd.cu: seqlen rounded up to whole mask blocks (every tile size divides
     them) and the head dim up to its bucket, so that the kernels add whole tiles without
-    bounds checks."""
+    bounds checks. A packed batch's ``shape`` is (1, total_q, nheads, headdim): its sequences
+    take slices that start at multiples of VARLEN_ACCUM_ALIGN rows (cuda/seqinfo.cuh), one
+    after another, (total_q // align + batch) * align rows for all."""
     b, sq, h, d = shape
+    if packed is not None:
+        align = VARLEN_ACCUM_ALIGN
+        return (1, h, (sq // align + packed.batch) * align, _config.head_dim_bucket(d))
     return (b, h, _config.cdiv(sq, _config.MAX_BLOCK) * _config.MAX_BLOCK, _config.head_dim_bucket(d))
 
 
@@ -658,11 +817,13 @@ def kernel_names(smem_limit, hopper=False):
     """{source file: [template names]} of every kernel the config table can pick on a device
     with ``smem_limit`` bytes of shared memory per block (for warm-up and compile checks);
     ``hopper``: an sm_90 device, which also runs the Hopper kernels (``kernel_family``)."""
-    names = {"fwd.cu": [], "bwd.cu": [], "generic.cu": [], "fwd_sm90.cu": [], "bwd_sm90.cu": []}
+    names = {"fwd.cu": [], "bwd.cu": [], "generic.cu": [], "fwd_sm90.cu": [], "bwd_sm90.cu": [], "decode.cu": []}
     variants = [_spec.CallSpec("float16", 0, window=w, softcap=cap, alibi=alibi, dropout=drop)
                 for w in (_spec.NO_WINDOW, _spec.CAUSAL, (1, 1))
                 for cap, alibi, drop in ((0.0, False, 0.0), (1.0, False, 0.0), (0.0, True, 0.0),
                                          (1.0, True, 0.0), (0.0, False, 0.5))]
+    # Packed batches (varlen): every variant again, with no block mask.
+    variants += [dataclasses.replace(s, seq=_spec.SEQ_PACKED) for s in variants]
     if hopper:
         # Each call's tile, without a block mask and with one (any mask: the rules ask only
         # whether there is one).
@@ -670,25 +831,36 @@ def kernel_names(smem_limit, hopper=False):
             template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant(), *tile)
             for d in TENSOR_CORE for hd in sorted({sm90_headdim(b) for b in _config.HEAD_DIM_BUCKETS})
             for spec in (dataclasses.replace(s, headdim=hd) for s in variants if not s.dropout)
-            for tile in sorted({sm90_fwd_tile(spec, None), sm90_fwd_tile(spec, "mask")})]
+            for tile in sorted({sm90_fwd_tile(spec, None)} | ({sm90_fwd_tile(spec, "mask")} if not spec.varlen else set()))]
         names["bwd_sm90.cu"] = [
             template_name("flash_bwd_sm90_kernel", ELEM[d], hd, spec.variant())
             for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout] + [
             template_name("flash_bwd_sm90_wide_kernel", ELEM[d], spec.variant())
             for d in TENSOR_CORE for spec in variants if not spec.dropout]
+    # The decode kernels: every band with softcap and ALiBi (no dropout), both cache layouts.
+    names["decode.cu"] = [
+        template_name("flash_decode_kernel", ELEM[d], hd, dataclasses.replace(s, seq=seq).variant())
+        for d in TENSOR_CORE for hd in _config.HEAD_DIM_BUCKETS for seq in (_spec.SEQ_CACHE, _spec.SEQ_PAGED)
+        for s in variants if not s.dropout and s.seq == _spec.SEQ_DENSE] + [
+        template_name("flash_decode_merge_kernel", ELEM[d], hd) for d in TENSOR_CORE for hd in _config.HEAD_DIM_BUCKETS] + [
+        template_name("kvcache_append_kernel", storage, seq) for storage in ("u16", "float", "double")
+        for seq in (_spec.SEQ_CACHE, _spec.SEQ_PAGED)]
     for elem in ELEM.values():
-        names["bwd.cu"].append(template_name("bwd_preprocess_kernel", elem))
+        names["bwd.cu"] += [template_name("bwd_preprocess_kernel", elem, *seq) for seq in ((), (_spec.SEQ_PACKED,))]
     for elem in (ELEM[d] for d in TENSOR_CORE):
         names["bwd.cu"] += [template_name("bwd_convert_dq_kernel", elem, hopper) for hopper in (False, True)]
+        names["bwd.cu"] += [template_name("bwd_convert_dq_kernel", elem, hopper, _spec.SEQ_PACKED)
+                            for hopper in (False, True)]
     every = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
     dense = [(_config.MAX_BLOCK, _config.MAX_BLOCK)]   # the tiles of dense calls
     # Every band with every score modifier (softcap, ALiBi, both) and with dropout (alone: not
     # yet with a modifier, check_supported); a window is refused with a block mask, so its
     # kernels need only the dense tiles.
+    # Packed batches take no block mask: the dense tiles.
     limits_of = {_spec.NO_WINDOW: every, _spec.CAUSAL: every}
     for hd in _config.HEAD_DIM_BUCKETS:
         for spec in variants:
-            limits = limits_of.get(spec.window, dense)
+            limits = dense if spec.varlen else limits_of.get(spec.window, dense)
             ex = spec.extras
             fwd = {_config.tile("fwd", hd, smem_limit, *lim, extras=ex) for lim in limits}
             bwd = {(_config.tile("bwd", hd, smem_limit, *lim, deterministic=not atomic,

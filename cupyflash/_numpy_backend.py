@@ -200,16 +200,17 @@ class _Scores(NamedTuple):
 
 
 def _scores(q, k, scale, spec, alibi_slopes, score_mod=None, mask_mod=None, arrays=None,
-            grads=None):
+            grads=None, batch0=0):
     """The call's ``_Scores``; the slopes, (nheads,) or (batch, nheads), go to the grouped
-    layout (batch or 1, nheads_k, group); user mods get index arrays in that layout."""
+    layout (batch or 1, nheads_k, group); user mods get index arrays in that layout, the
+    batch entries numbered from ``batch0``."""
     slopes = None
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes, np.float64)
         slopes = slopes.reshape(slopes.shape[0] if slopes.ndim == 2 else 1, k.shape[2], -1)
     b, _, h, _ = q.shape
     hk = k.shape[2]
-    b_idx = np.arange(b, dtype=np.int64).reshape(b, 1, 1, 1, 1)
+    b_idx = np.arange(batch0, batch0 + b, dtype=np.int64).reshape(b, 1, 1, 1, 1)
     h_idx = np.arange(h, dtype=np.int64).reshape(1, hk, h // hk, 1, 1)
     return _Scores(q.shape[1], k.shape[1], scale, spec.window, spec.softcap, slopes,
                    score_mod, mask_mod, arrays or {}, grads or {}, b_idx, h_idx)
@@ -240,11 +241,12 @@ class _Dropout(NamedTuple):
         return self._replace(bh=self.bh[:, kv_heads, group])
 
 
-def _dropout(q, k, spec, seed, offset):
+def _dropout(q, k, spec, seed, offset, batch0=0):
     """The call's ``_Dropout`` (with p = 0 the loops skip it). Query head ``h = kv_head *
-    group + index``: (b, nheads) reshaped to the grouped layout."""
+    group + index``: (b, nheads) reshaped to the grouped layout, the batch entries numbered
+    from ``batch0``."""
     b, _, h, _ = q.shape
-    bh = np.arange(b * h, dtype=np.int64).reshape(b, k.shape[2], h // k.shape[2])
+    bh = np.arange(batch0 * h, (batch0 + b) * h, dtype=np.int64).reshape(b, k.shape[2], h // k.shape[2])
     return _Dropout(spec.dropout, seed, offset, bh)
 
 
@@ -255,7 +257,7 @@ _IEEE = dict(invalid="ignore", over="ignore", divide="ignore")
 
 @np.errstate(**_IEEE)
 def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None, seed=None, offset=0,
-            score_mod=None, user_arrays=None):
+            score_mod=None, user_arrays=None, batch0=0):
     """Returns ``(out, lse)``: out like q in q's dtype, lse (batch, nheads, seqlen_q) in
     natural log (float64 for float64 q, else float32); ``-inf`` for rows that see no key.
 
@@ -264,13 +266,15 @@ def forward(q, k, v, scale, spec, block_mask=None, alibi_slopes=None, seed=None,
     the generator's when ``spec.dropout`` > 0. With ``block_mask`` (a ``BlockMask`` whose
     geometry was checked), the tiles are the mask's blocks and each query block visits only
     its listed key blocks. ``score_mod`` (a ``mods.ScoreMod``) and the block mask's
-    ``mask_mod`` run their ``python`` rules on ``user_arrays`` (NumPy, by name)."""
+    ``mask_mod`` run their ``python`` rules on ``user_arrays`` (NumPy, by name). ``batch0``:
+    the index of q's first batch entry (a packed batch's sequence, cupyflash.varlen), which
+    the user mods and the dropout generator see; the slopes are those of q's entries."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     q64, k64, v64 = _grouped(q, hk), _kv(k), _kv(v)
     scores = _scores(q, k, scale, spec, alibi_slopes, score_mod, _mask_mod(block_mask),
-                     user_arrays)
-    drop = _dropout(q, k, spec, seed, offset)
+                     user_arrays, batch0=batch0)
+    drop = _dropout(q, k, spec, seed, offset, batch0)
     if block_mask is None:
         br, bc = BR, BC
         kv_lists = [[key_blocks(i, sq, sk, spec.window) for i in range(-(-sq // BR))]]
@@ -329,10 +333,10 @@ def _forward_tiles(q64, k64, v64, scores, drop, kv_list, br, bc):
 
 @np.errstate(**_IEEE)
 def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None,
-             seed=None, offset=0, score_mod=None, user_arrays=None):
+             seed=None, offset=0, score_mod=None, user_arrays=None, batch0=0):
     """Returns ``(dq, dk, dv)`` shaped and typed like q, k and v (dk, dv summed over the
-    query heads of each group). ``spec``, ``block_mask``, ``alibi_slopes``, ``seed`` and
-    ``offset`` as in ``forward``: each key block loops over the query blocks that visit it
+    query heads of each group). ``spec``, ``block_mask``, ``alibi_slopes``, ``seed``,
+    ``offset`` and ``batch0`` as in ``forward``: each key block loops over the query blocks that visit it
     (the mask's transposed lists with a mask). With a score_mod whose ``grad_arrays`` are
     given, a fourth result: their gradients, float64, by name."""
     b, sq, h, d = q.shape
@@ -347,8 +351,8 @@ def backward(dout, q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes
     grads = {n: np.zeros(np.shape(user_arrays[n])) for n in
              (score_mod.grad_arrays if score_mod is not None else ())}
     scores = _scores(q, k, scale, spec, alibi_slopes, score_mod, _mask_mod(block_mask),
-                     user_arrays, grads)
-    drop = _dropout(q, k, spec, seed, offset)
+                     user_arrays, grads, batch0)
+    drop = _dropout(q, k, spec, seed, offset, batch0)
     if block_mask is None:
         br, bc = BR, BC
         q_lists = [query_blocks(sq, sk, spec.window)]

@@ -20,6 +20,11 @@ from . import _config
 NO_WINDOW = (-1, -1)
 CAUSAL = (-1, 0)
 
+# Where a call's rows are (cuda/variant.cuh's SeqLayout, cuda/seqinfo.cuh): dense tensors, a
+# packed variable-length batch (flash_attention_varlen), keys in a KV cache, contiguous or paged
+# (flash_attention_with_kvcache).
+SEQ_DENSE, SEQ_PACKED, SEQ_CACHE, SEQ_PAGED = range(4)
+
 
 def band(causal, window_size=NO_WINDOW):
     """The call's band ``(left, right)``: ``window_size`` with ``causal`` folded in (causal
@@ -73,17 +78,20 @@ class CallSpec:
     score_mod: bool = False     # a user score_mod (cupyflash.mods), beside the spec
     mask_mod: bool = False      # a user mask_mod (it comes with the BlockMask built from it)
     user_mods: str = ""         # the kernels' ``struct UserMods`` of the mods' CUDA snippets
+    seq: int = SEQ_DENSE        # the rows' layout (SEQ_*)
 
     @classmethod
     def of(cls, q, *, causal, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
-           dropout_p=0.0, block_mask=None, score_mod=None, mask_mod=None, user_mods=""):
+           dropout_p=0.0, block_mask=None, score_mod=None, mask_mod=None, user_mods="",
+           seq=SEQ_DENSE):
         """The spec of a call on ``q`` whose arguments were validated; ``causal`` is already
-        ORed with the mask's own; ``user_mods`` is ``mods.prelude`` of the GPU's snippets."""
+        ORed with the mask's own; ``user_mods`` is ``mods.prelude`` of the GPU's snippets;
+        ``seq``: where its rows are (SEQ_*)."""
         return cls(dtype=np.dtype(q.dtype).name, headdim=_config.head_dim_bucket(q.shape[-1]),
                    window=band(causal, window_size), softcap=float(softcap),
                    alibi=alibi_slopes is not None, dropout=float(dropout_p),
                    sparse=block_mask is not None, score_mod=score_mod is not None,
-                   mask_mod=mask_mod is not None, user_mods=user_mods)
+                   mask_mod=mask_mod is not None, user_mods=user_mods, seq=seq)
 
     @property
     def causal(self):
@@ -111,5 +119,14 @@ class CallSpec:
     def variant(self):
         """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh)."""
         flags = (self.causal, self.local, self.softcap > 0, self.alibi, self.dropout > 0)
-        args = ["true" if f else "false" for f in flags] + (["UserMods"] if self.user_mods else [])
+        args = ["true" if f else "false" for f in flags]
+        if self.user_mods or self.seq != SEQ_DENSE:
+            args.append("UserMods" if self.user_mods else "NoMods")
+        if self.seq != SEQ_DENSE:
+            args.append(str(self.seq))
         return "Variant<" + ", ".join(args) + ">"
+
+    @property
+    def varlen(self):
+        """A packed variable-length batch."""
+        return self.seq == SEQ_PACKED

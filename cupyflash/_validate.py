@@ -211,12 +211,14 @@ def check_softcap(softcap, dtype):
     return softcap
 
 
-def check_alibi_slopes(alibi_slopes, q):
+def check_alibi_slopes(alibi_slopes, q, batch=None):
     """``alibi_slopes``: float32 (nheads,) or (batch, nheads), on q's device, with a
-    contiguous last dimension (float32 only, as FlashAttention 2 takes them)."""
+    contiguous last dimension (float32 only, as FlashAttention 2 takes them). ``batch``:
+    the number of sequences where it is not q's first dimension (a packed batch)."""
     if alibi_slopes is None:
         return
     b, _, h, _ = q.shape
+    b = b if batch is None else batch
     if alibi_slopes.dtype.name != "float32":
         raise TypeError(f"alibi_slopes: dtype must be float32, got {alibi_slopes.dtype.name}")
     if alibi_slopes.ndim not in (1, 2) or tuple(alibi_slopes.shape) not in ((h,), (b, h)):
@@ -270,3 +272,155 @@ def check_block_mask(block_mask, q, k):
     if block_mask.heads not in (1, nheads):
         raise ValueError(f"block_mask: heads must be 1 or q's nheads ({nheads}), got "
                          f"{block_mask.heads}")
+
+
+def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+    """A packed call's arrays (cupyflash.varlen): q (total_q, nheads, headdim), k and v
+    (total_k, nheads_k, headdim), int32 offsets of batch + 1 entries each; then the dense
+    call's checks on the (1, total, nheads, headdim) views."""
+    named = {"q": q, "k": k, "v": v}
+    for name, a in named.items():
+        if a.ndim != 3:
+            raise ValueError(f"{name} must be 3-D ({'total_q' if name == 'q' else 'total_k'}, "
+                             f"nheads, headdim) for a packed batch, got {a.ndim}-D shape "
+                             f"{tuple(a.shape)}")
+    _check_shape("v", v, "k's shape", k.shape)
+    for name, a, dims in (("q", q, ("total_q", "nheads", "headdim")),
+                          ("k", k, ("total_k", "nheads_k", "headdim"))):
+        for axis, dim in enumerate(dims):
+            if a.shape[axis] < 1:
+                raise ValueError(f"{name}: {dim} (axis {axis}) must be >= 1, got "
+                                 f"{a.shape[axis]} (shape {tuple(a.shape)})")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k: headdim {k.shape[2]} (axis 2) does not match q's headdim "
+                         f"{q.shape[2]}")
+    for name, c in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if c.dtype.name != "int32":
+            raise TypeError(f"{name}: dtype must be int32, got {c.dtype.name}")
+        if c.ndim != 1 or c.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
+                             f"{tuple(c.shape)}")
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.shape[0]} entries but cu_seqlens_q "
+                         f"has {cu_seqlens_q.shape[0]}: both must be batch + 1")
+    batch = cu_seqlens_q.shape[0] - 1
+    if _is_cupy(q) and batch > MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: batch must be <= {MAX_GRID_YZ} on the GPU (CUDA grid "
+                         f"limit), got {batch}")
+    _check_devices({"q": q, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    check_forward(q[None], k[None], v[None], softmax_scale)
+
+
+def check_cu_seqlens(name, offsets, total, max_seqlen):
+    """Host int32 ``offsets`` of a packed batch: 0 first, ``total`` (the rows of its array)
+    last, never decreasing. Returns the longest sequence's length, which ``max_seqlen``
+    (None: not given) must not be below."""
+    offsets = np.asarray(offsets, np.int64)
+    if offsets[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+    lengths = np.diff(offsets)
+    if (lengths < 0).any():
+        i = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name} must not decrease: {name}[{i + 1}] = {offsets[i + 1]} < "
+                         f"{name}[{i}] = {offsets[i]}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name}[-1] = {offsets[-1]} must equal the packed array's rows "
+                         f"({total})")
+    longest = int(lengths.max())
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"max_seqlen_{name[-1]} = {max_seqlen} is below the longest "
+                         f"sequence of {name} ({longest})")
+    return longest
+
+
+def check_like(name, a, ref_name, ref):
+    """``a`` has ``ref``'s shape and dtype."""
+    _check_shape(name, a, f"{ref_name}'s shape", ref.shape)
+    if a.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {a.dtype.name} but {ref_name} has {ref.dtype.name}")
+    _check_last_dim_contiguous({name: a})
+    _check_devices({ref_name: ref, name: a})
+
+
+def check_packed_lse(lse, q):
+    """A packed forward's lse: (nheads, total_q), float32 (or float64 for float64 q)."""
+    expected = (q.shape[1], q.shape[0])
+    if lse.ndim != 2 or tuple(lse.shape) != expected:
+        raise ValueError(f"lse shape {tuple(lse.shape)} must be (nheads, total_q) = {expected}")
+    allowed = ("float32", "float64") if q.dtype.name == "float64" else ("float32",)
+    if lse.dtype.name not in allowed:
+        raise TypeError(f"lse: dtype must be {' or '.join(allowed)} for {q.dtype.name} "
+                        f"inputs, got {lse.dtype.name}")
+    _check_devices({"q": q, "lse": lse})
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale):
+    """flash_attention_with_kvcache's arrays: q (batch, seqlen_q, nheads, headdim); the caches
+    (batch, capacity, nheads_k, headdim), or pages (num_pages, page_size, nheads_k, headdim)
+    with an int32 (batch, pages_per_seq) block_table, page_size a multiple of 16; the new k, v
+    (batch, seqlen_new, nheads_k, headdim); int32 (batch,) cache_seqlens."""
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if k is not None:
+        named.update(k=k, v=v)
+    _check_dtypes(named)
+    _check_ndim(named)
+    _check_last_dim_contiguous(named)
+    batch, _, nheads, d = q.shape
+    for name, n in (("q: batch", batch), ("q: seqlen_q", q.shape[1]), ("q: nheads", nheads),
+                    ("q: headdim", d), ("k_cache: nheads_k", k_cache.shape[2])):
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
+    _check_shape("v_cache", v_cache, "k_cache's shape", k_cache.shape)
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache: headdim {k_cache.shape[3]} (axis 3) does not match q's headdim {d}")
+    from ._config import MAX_HEADDIM
+    if d > MAX_HEADDIM:
+        raise ValueError(f"q: headdim must be <= {MAX_HEADDIM}, got {d}")
+    if nheads % k_cache.shape[2]:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_k of the caches "
+                         f"({k_cache.shape[2]})")
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache: batch {k_cache.shape[0]} (axis 0) does not match q's batch "
+                             f"{batch} (a paged cache needs block_table)")
+    else:
+        if block_table.dtype.name != "int32":
+            raise TypeError(f"block_table: dtype must be int32, got {block_table.dtype.name}")
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table shape {tuple(block_table.shape)} must be (batch, "
+                             f"pages_per_seq) with batch {batch}")
+        if k_cache.shape[1] % 16:
+            raise ValueError(f"k_cache: page_size {k_cache.shape[1]} (axis 1) must be a multiple of 16")
+    if cache_seqlens is not None:
+        if cache_seqlens.dtype.name != "int32":
+            raise TypeError(f"cache_seqlens: dtype must be int32, got {cache_seqlens.dtype.name}")
+        if tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens shape {tuple(cache_seqlens.shape)} must be (batch,) = ({batch},)")
+    if k is not None:
+        expected = (batch, k.shape[1]) + tuple(k_cache.shape[2:])
+        for name, a in (("k", k), ("v", v)):
+            if tuple(a.shape) != expected or a.shape[1] < 1:
+                raise ValueError(f"{name} shape {tuple(a.shape)} must be (batch, seqlen_new, nheads_k, "
+                                 f"headdim) = {expected} with seqlen_new >= 1")
+    _check_devices({**named, **({"cache_seqlens": cache_seqlens} if cache_seqlens is not None else {}),
+                    **({"block_table": block_table} if block_table is not None else {})})
+    _check_scale(softmax_scale, q.dtype)
+
+
+def check_cache_lengths(start, keys, capacity, table, page_size, num_pages):
+    """Host lengths of a KV cache: cache_seqlens >= 0, the keys after the append within the
+    capacity, and (paged) every page an entry uses in [0, num_pages)."""
+    if (start < 0).any():
+        b = int(np.argmax(start < 0))
+        raise ValueError(f"cache_seqlens[{b}] = {start[b]} must be >= 0")
+    if (keys > capacity).any():
+        b = int(np.argmax(keys > capacity))
+        raise ValueError(f"the cache is too small for the append: entry {b} would hold {keys[b]} keys "
+                         f"(cache_seqlens[{b}] = {start[b]} plus {keys[b] - start[b]} new), its capacity "
+                         f"is {capacity}")
+    if table is not None:
+        used = np.arange(table.shape[1])[None, :] * page_size < keys[:, None]
+        bad = used & ((table < 0) | (table >= num_pages))
+        if bad.any():
+            b, j = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is out of range for {num_pages} pages")

@@ -309,12 +309,13 @@ def _mask_of(mask_mod, block_mask, q, k, xp):
 
 
 def _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-               block_mask, score_mod, user_mods):
+               block_mask, score_mod, user_mods, batch=None):
     """Checks the rest of the call against q and k; returns its CallSpec and softmax scale.
-    ``user_mods`` is the GPU kernels' text of the mods (``_user_mods``)."""
+    ``user_mods`` is the GPU kernels' text of the mods (``_user_mods``); ``batch``: the
+    number of sequences of a packed batch (q is then its (1, total_q, ...) view)."""
     scale = _scale(softmax_scale, q.shape[-1])
     softcap = _validate.check_softcap(softcap, q.dtype)
-    _validate.check_alibi_slopes(alibi_slopes, q)
+    _validate.check_alibi_slopes(alibi_slopes, q, batch)
     mask_mod = None
     if block_mask is not None:
         _validate.check_block_mask(block_mask, q, k)
@@ -373,9 +374,7 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
         stats = cp.empty((2, b, h, sq), _config.lse_dtype(q.dtype))   # D and lse in log2 units
         # dQ in an fp32 buffer, added to by every key block: in any order, or in key order
         # where the Hopper pass runs deterministic=True (else dQ has a pass of its own).
-        use_buffer = q.dtype.name in _launch.TENSOR_CORE and (not deterministic or _launch.bwd_family(
-            spec, block_mask, q, k, v, out, dout, dq, dk, dv, deterministic=True) == "sm90")
-        dq_accum = cp.zeros(_launch.dq_accum_shape(q.shape), cp.float32) if use_buffer else None
+        dq_accum = _launch.dq_buffer(spec, block_mask, deterministic, q, k, v, out, dout, dq, dk, dv)
         _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
                          block_mask, alibi_slopes, (seed, offset), [a for _, a in user], grads,
                          deterministic=deterministic)

@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _compile, _config, _launch  # noqa: E402
-from cupyflash._launch import (BLOCK_LIST, BWD_PARAMS, FWD_PARAMS, SCORE_PARAMS,  # noqa: E402
-                               TENSOR_REF, USER_PARAMS)
+from cupyflash import _compile, _config, _launch, _spec  # noqa: E402
+from cupyflash._launch import (BLOCK_LIST, BWD_PARAMS, CACHE_PARAMS, FWD_PARAMS,  # noqa: E402
+                               SCORE_PARAMS, TENSOR_REF, USER_PARAMS, VARLEN_PARAMS)
 
 
 def _compile_log(filename, asserts):
@@ -26,7 +26,8 @@ def _compile_log(filename, asserts):
 
 
 STRUCTS = [("TensorRef", TENSOR_REF), ("BlockList", BLOCK_LIST), ("ScoreParams", SCORE_PARAMS),
-           ("UserParams", USER_PARAMS), ("FwdParams", FWD_PARAMS), ("BwdParams", BWD_PARAMS)]
+           ("UserParams", USER_PARAMS), ("VarlenParams", VARLEN_PARAMS), ("CacheParams", CACHE_PARAMS),
+           ("FwdParams", FWD_PARAMS), ("BwdParams", BWD_PARAMS)]
 
 
 @pytest.mark.parametrize("cname,dtype", STRUCTS)
@@ -49,9 +50,11 @@ def test_params_struct_offsets_match_numpy_dtype(cname, dtype):
 @pytest.mark.parametrize("filename,cname,dtype", [
     ("fwd_sm90.cu", "FwdSm90Params", _launch.FWD_SM90_PARAMS),
     ("bwd_sm90.cu", "BwdSm90Params", _launch.BWD_SM90_PARAMS),
+    ("decode.cu", "DecodeParams", _launch.DECODE_PARAMS),
 ])
-def test_hopper_kernel_parameters_match_numpy_dtype(filename, cname, dtype):
-    """The Hopper kernels' __grid_constant__ structs: tensor maps, the Params, and what follows."""
+def test_kernel_parameters_match_numpy_dtype(filename, cname, dtype):
+    """The structs that hold Params and more (the Hopper kernels' __grid_constant__ ones, the
+    decode kernels'): size and every field's offset."""
     log = _compile_log(filename, [f"static_assert(sizeof({cname}) == {dtype.itemsize}, \"sizeof\");"] + [
         f"static_assert(__builtin_offsetof({cname}, {field}) == {offset}, \"{cname}.{field}\");"
         for field, (_, offset) in dtype.fields.items()])
@@ -67,8 +70,15 @@ def test_hopper_kernel_parameters_match_numpy_dtype(filename, cname, dtype):
                     f"{_launch.USER_NDIM}, \"USER_ARRAYS\");"]),
     ("bwd.cu", [f"static_assert(PREPROCESS_WARPS == {_config.GENERIC_WARPS}, \"GENERIC_WARPS\");",
                 f"static_assert(DQ_CONVERT_THREADS == {_launch.DQ_CONVERT_THREADS}, "
-                f"\"DQ_CONVERT_THREADS\");"]),
-], ids=["tile constants", "backward helper launches"])
+                f"\"DQ_CONVERT_THREADS\");",
+                f"static_assert(ACCUM_ALIGN == {_launch.VARLEN_ACCUM_ALIGN}, \"ACCUM_ALIGN\");",
+                f"static_assert(SEQ_DENSE == {_spec.SEQ_DENSE} && SEQ_PACKED == {_spec.SEQ_PACKED} && "
+                f"SEQ_CACHE == {_spec.SEQ_CACHE} && SEQ_PAGED == {_spec.SEQ_PAGED}, \"SEQ\");"]),
+    ("decode.cu", [f"static_assert(DECODE_KEYS == {_launch.DECODE_KEYS} && DECODE_WARPS * 32 == "
+                   f"{_launch.DECODE_THREADS}, \"DECODE\");"] +
+     [f"static_assert(decode_smem<{hd}>() == {_launch.decode_smem(hd)}, \"decode_smem {hd}\");"
+      for hd in _config.HEAD_DIM_BUCKETS]),
+], ids=["tile constants", "backward helper launches", "decode launches"])
 def test_constants_the_kernels_repeat(filename, asserts):
     log = _compile_log(filename, asserts)
     assert log is None, log

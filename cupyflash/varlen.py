@@ -1,0 +1,251 @@
+"""Packed variable-length batches (FlashAttention's ``varlen`` calls).
+
+A batch of sequences of different lengths is packed along one axis, with no padding: q is
+``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_k, headdim)``, and sequence ``b``
+holds rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` of q and rows ``cu_seqlens_k[b] ..
+cu_seqlens_k[b + 1] - 1`` of k and v. Each sequence attends to its own keys only, as one
+dense call per sequence would (causal and windows aligned to each sequence's own bottom-right
+corner), and no work is spent on padding. lse comes packed as ``(nheads, total_q)``.
+"""
+import dataclasses
+
+import numpy as np
+
+from . import _arrays, _config, _spec, _validate, mods
+from .api import _as_backend, _call_spec, _user_mods
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                           max_seqlen_k=None, *, causal=False, softmax_scale=None,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                           seed=None, offset=0, score_mod=None, return_lse=False):
+    """``flash_attention`` on a packed batch of sequences of different lengths.
+
+    Parameters
+    ----------
+    q : array, (total_q, nheads, headdim)
+    k, v : arrays, (total_k, nheads_k, headdim)
+        The sequences one after another (module docstring); dtypes, strides, GQA and the
+        kinds of arrays as for ``flash_attention``.
+    cu_seqlens_q, cu_seqlens_k : int32 arrays, (batch + 1,)
+        Where each sequence starts, and ``total`` last: ``0 = cu[0] <= cu[1] <= ... <=
+        cu[batch] = total``. Of q's kind and device. A sequence may be empty (no queries, or
+        no keys: its rows then get output 0 and lse ``-inf``).
+    max_seqlen_q, max_seqlen_k : int, optional
+        The longest sequence's length (or more), which sizes the GPU grids. They are read
+        from the offsets when not given. The offsets are always read to the host and
+        checked, a copy of 4 (batch + 1) bytes that waits for the stream; inside a CUDA graph
+        capture they cannot be read: pass both maximums there, and the offsets are trusted.
+    causal, softmax_scale, window_size, softcap, dropout_p, seed, offset, score_mod, return_lse
+        As for ``flash_attention``, per sequence: ``b`` (of a score_mod, and of the dropout
+        mask) is the sequence's index and ``q_idx``, ``kv_idx`` are positions inside it.
+        block_mask and mask_mod are not taken by packed calls.
+    alibi_slopes : array, optional
+        float32, (nheads,) or (batch, nheads), one row per sequence.
+
+    Returns
+    -------
+    out : array like q, or ``(out, lse)`` with lse ``(nheads, total_q)`` (float32, float64
+        for float64 inputs).
+    """
+    _refuse_traced(q)
+    call = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                          seed, offset, score_mod, (), ())
+    return_lse = _validate.check_flag("return_lse", return_lse)
+    q, k, v = call.arrays
+    with _arrays.launch_context(call.kind):
+        packed = call.packed()
+        if call.xp is np:
+            out, lse = _numpy_forward(call, packed)
+        else:
+            out, lse = _gpu_forward(call, packed)
+        out = _arrays.to_caller(out, call.kind)
+        return (out, _arrays.to_caller(lse, call.kind)) if return_lse else out
+
+
+def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
+                                    softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                                    score_mod=None, deterministic=False):
+    """Gradients of ``flash_attention_varlen`` with respect to q, k and v.
+
+    ``dout`` and ``out`` are like q, ``lse`` the forward's ``(nheads, total_q)``; every other
+    argument exactly as given to the forward (nothing records them: other values give wrong
+    gradients, silently). ``deterministic`` as for ``flash_attention_backward``. Returns
+    ``dq, dk, dv`` shaped like q, k and v (and the score_mod's array gradients as a fourth
+    result, as ``flash_attention_backward`` does).
+    """
+    _refuse_traced(q)
+    deterministic = _validate.check_flag("deterministic", deterministic)
+    call = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                          seed, offset, score_mod, (dout, out, lse), ("dout", "out", "lse"))
+    dout, out, lse = call.extra
+    q, k, v = call.arrays
+    for name, a in (("dout", dout), ("out", out)):
+        _validate.check_like(name, a, "q", q)
+    _validate.check_packed_lse(lse, q)
+    gradient = None if call.score_mod is None else (
+        call.score_mod.grad if call.xp is not np else call.score_mod.python_grad)
+    if call.score_mod is not None and gradient is None:
+        raise ValueError("score_mod has no gradient rule for these inputs: the backward needs "
+                         "d loss / d score from dscore")
+    with _arrays.launch_context(call.kind):
+        packed = call.packed()
+        if call.xp is np:
+            grads = _numpy_backward(call, packed, dout, out, lse)
+        else:
+            grads = _gpu_backward(call, packed, dout, out, lse, deterministic)
+        result = tuple(_arrays.to_caller(g, call.kind) for g in grads[:3])
+        if len(grads) == 4:
+            return (*result, {n: _arrays.to_caller(g, call.kind) for n, g in grads[3].items()})
+        return result
+
+
+def _refuse_traced(q):
+    from .api import _traced_by_torch
+    if _traced_by_torch(q):
+        raise NotImplementedError("flash_attention_varlen has no torch.compile operator yet; "
+                                  "call it outside the compiled region")
+
+
+@dataclasses.dataclass
+class _PackedCall:
+    """A packed call's validated arguments: arrays of one backend, its spec and scale."""
+    arrays: tuple            # q, k, v
+    extra: tuple             # the backward's dout, out, lse
+    cu: tuple                # cu_seqlens_q, cu_seqlens_k (contiguous)
+    maxima: tuple            # the given max_seqlen_q, max_seqlen_k (None: read them)
+    spec: object
+    scale: float
+    alibi_slopes: object
+    score_mod: object
+    user: list
+    seed: object
+    offset: int
+    kind: object
+    xp: object
+
+    @classmethod
+    def of(cls, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size, softcap,
+           alibi_slopes, dropout_p, seed, offset, score_mod, extra, extra_names):
+        causal = _validate.check_flag("causal", causal)
+        score_mod = mods.as_score_mod(score_mod)
+        window_size = _validate.check_window_size(window_size, None)
+        dropout_p, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
+        names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", *extra_names)
+        arrays, alibi_slopes, user, kind, xp = _as_backend(
+            (q, k, v, cu_q, cu_k, *extra), names, alibi_slopes, score_mod)
+        q, k, v, cu_q, cu_k = arrays[:5]
+        maxima = tuple(None if m is None else _validate.check_int(name, m, 0, _validate.INT32_LIMIT - 1)
+                       for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)))
+        _validate.check_packed(q, k, v, cu_q, cu_k, softmax_scale)
+        batch = cu_q.shape[0] - 1
+        user_mods = _user_mods(score_mod, None, None, xp)
+        spec, scale = _call_spec(q[None], k[None], causal, softmax_scale, window_size, softcap,
+                                 alibi_slopes, dropout_p, None, score_mod, user_mods, batch=batch)
+        spec = dataclasses.replace(spec, seq=_spec.SEQ_PACKED)
+        cu = tuple(xp.ascontiguousarray(c) for c in (cu_q, cu_k))
+        return cls((q, k, v), tuple(arrays[5:]), cu, maxima, spec, scale, alibi_slopes,
+                   score_mod, user, seed, offset, kind, xp)
+
+    def packed(self):
+        """The offsets checked against the arrays (read to the host, unless a CUDA graph is
+        being captured), as a _launch.Packed with the grids' maximum lengths; run it inside
+        ``launch_context``, so that the read waits on the caller's stream."""
+        from . import _launch
+        q, k, _ = self.arrays
+        if self.xp is not np and _arrays.capturing(self.xp):
+            if None in self.maxima:
+                raise RuntimeError("flash_attention_varlen reads cu_seqlens to the host to find "
+                                   "the longest sequences, which cannot run inside a CUDA graph "
+                                   "capture: pass max_seqlen_q and max_seqlen_k")
+            return _launch.Packed(*self.cu, *self.maxima)
+        host = [np.asarray(c) if self.xp is np else c.get() for c in self.cu]
+        longest = [_validate.check_cu_seqlens(name, c, a.shape[0], m)
+                   for name, c, a, m in zip(("cu_seqlens_q", "cu_seqlens_k"), host, (q, k),
+                                            self.maxima)]
+        return _launch.Packed(*self.cu, *longest)
+
+    def sequences(self, packed):
+        """(b, rows of q, rows of k) of each sequence with queries and keys (NumPy path)."""
+        cu_q, cu_k = (np.asarray(c) for c in (packed.cu_seqlens_q, packed.cu_seqlens_k))
+        for b in range(packed.batch):
+            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if rq.stop > rq.start and rk.stop > rk.start:
+                yield b, rq, rk
+
+    def slopes_of(self, b):
+        s = self.alibi_slopes
+        return s[b:b + 1] if s is not None and s.ndim == 2 else s
+
+
+def _numpy_forward(call, packed):
+    from . import _numpy_backend
+    q, k, v = call.arrays
+    out = np.zeros(q.shape, q.dtype)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf, _config.lse_dtype(q.dtype))
+    for b, rq, rk in call.sequences(packed):
+        o, l = _numpy_backend.forward(q[None, rq], k[None, rk], v[None, rk], call.scale, call.spec,
+                                      None, call.slopes_of(b), call.seed, call.offset,
+                                      call.score_mod, dict(call.user), batch0=b)
+        out[rq], lse[:, rq] = o[0], l[0]
+    return out, lse
+
+
+def _numpy_backward(call, packed, dout, out, lse):
+    from . import _numpy_backend
+    q, k, v = call.arrays
+    dq, dk, dv = (np.zeros(a.shape, a.dtype) for a in (q, k, v))
+    wanted = call.score_mod.grad_arrays if call.score_mod is not None else ()
+    sums = {n: np.zeros(np.shape(a)) for n, a in call.user if n in wanted}
+    for b, rq, rk in call.sequences(packed):
+        grads = _numpy_backend.backward(
+            dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse[None, :, rq],
+            call.scale, call.spec, None, call.slopes_of(b), call.seed, call.offset,
+            call.score_mod, dict(call.user), batch0=b)
+        dq[rq], dk[rk], dv[rk] = (g[0] for g in grads[:3])
+        for n, g in (grads[3].items() if len(grads) == 4 else ()):
+            sums[n] += g
+    return (dq, dk, dv, sums) if sums else (dq, dk, dv)
+
+
+def _gpu_forward(call, packed):
+    import cupy as cp
+    from . import _launch
+    q, k, v = call.arrays
+    _launch.check_supported(call.spec, None)
+    out = cp.empty(q.shape, q.dtype)
+    lse = cp.empty((q.shape[1], q.shape[0]), _config.lse_dtype(q.dtype))
+    with _arrays.scratch(cp):
+        _launch.forward(q[None], k[None], v[None], out[None], lse, call.scale, call.spec, None,
+                        call.alibi_slopes, (call.seed, call.offset), [a for _, a in call.user],
+                        packed=packed)
+    return out, lse
+
+
+def _gpu_backward(call, packed, dout, out, lse, deterministic):
+    import cupy as cp
+    from . import _launch
+    q, k, v = call.arrays
+    _launch.check_supported(call.spec, None)
+    dq, dk, dv = (cp.empty(a.shape, a.dtype) for a in (q, k, v))
+    wanted = call.score_mod.grad_arrays if call.score_mod is not None else ()
+    gdtype = cp.float64 if q.dtype == cp.float64 else cp.float32
+    grads = {slot: cp.zeros(a.shape, gdtype) for slot, (name, a) in enumerate(call.user)
+             if name in wanted}
+    with _arrays.scratch(cp):
+        lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
+        stats = cp.empty((2,) + lse.shape, lse.dtype)
+        views = [a[None] for a in (q, k, v, out, dout, dq, dk, dv)]
+        dq_accum = _launch.dq_buffer(call.spec, None, deterministic, *views, packed=packed)
+        q4, k4, v4, out4, dout4, dq4, dk4, dv4 = views
+        _launch.backward(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, stats, dq_accum, call.scale, call.spec, None,
+                         call.alibi_slopes,
+                         (call.seed, call.offset), [a for _, a in call.user], grads,
+                         deterministic=deterministic, packed=packed)
+    if grads:
+        return dq, dk, dv, {call.user[slot][0]: g for slot, g in grads.items()}
+    return dq, dk, dv
