@@ -51,7 +51,7 @@ def head_dim_bucket(d):
 
 
 class _Tile:
-    # Features (CallSpec.extras: "softcap", "alibi", "dropout", "user") whose kernels spill at this
+    # Features (CallSpec.extras: "softcap", "alibi", "dropout", "user", "varlen") whose kernels spill at this
     # tile, the register file full already: calls with one take the next tile.
     spills_with = frozenset()
 
@@ -115,6 +115,9 @@ class DqTile(_Tile):
 _USER = frozenset({"user"})   # the d=64 causal forward with a T5-style score_mod spilled 8 bytes
 _MODS = frozenset({"softcap", "alibi", "user"})
 _ALL = _MODS | {"dropout"}
+# Packed batches (SEQ_PACKED) hold a sequence's offsets beside everything a dense kernel holds:
+# the largest tiles, at 255 registers (128 at d=96) already, spilled 4-28 bytes with them.
+_VARLEN = frozenset({"varlen"})
 
 # Largest first; the first tile whose shared memory fits the device is taken.
 _FWD = {
@@ -122,7 +125,7 @@ _FWD = {
     64: [FwdTile(128, 64, 4, stages=2, spills_with=_USER), FwdTile(128, 64, 4, spills_with=_USER),
          FwdTile(64, 64, 4)],
     96: [FwdTile(128, 64, 4, spills_with=_USER), FwdTile(64, 64, 4)],
-    128: [FwdTile(128, 64, 4, spills_with=_USER), FwdTile(64, 64, 4)],
+    128: [FwdTile(128, 64, 4, spills_with=_USER | _VARLEN), FwdTile(64, 64, 4)],
     160: [FwdTile(64, 64, 4)],
     192: [FwdTile(64, 64, 4)],
     224: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
@@ -130,13 +133,13 @@ _FWD = {
 }
 _BWD = {
     32: [BwdTile(128, 64, 8), BwdTile(64, 64, 8)],
-    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2, spills_with=_MODS),
-         BwdTile(128, 128, 8, km=2, spills_with=_ALL), BwdTile(128, 64, 8),
+    64: [BwdTile(128, 128, 8, atomic_only=True, km=2, stages=2, spills_with=_MODS | _VARLEN),
+         BwdTile(128, 128, 8, km=2, spills_with=_ALL | _VARLEN), BwdTile(128, 64, 8),
          BwdTile(64, 64, 8)],
-    96: [BwdTile(64, 64, 8, spills_with=_USER), BwdTile(64, 32, 4)],
-    128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2, spills_with=_USER),
-          BwdTile(128, 64, 8, atomic_only=True, km=2, spills_with=_USER),
-          BwdTile(128, 64, 8, spills_with=_USER), BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
+    96: [BwdTile(64, 64, 8, spills_with=_USER | _VARLEN), BwdTile(64, 32, 4)],
+    128: [BwdTile(128, 64, 8, atomic_only=True, km=2, stages=2, spills_with=_USER | _VARLEN),
+          BwdTile(128, 64, 8, atomic_only=True, km=2, spills_with=_USER | _VARLEN),
+          BwdTile(128, 64, 8, spills_with=_USER | _VARLEN), BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     192: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     224: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],

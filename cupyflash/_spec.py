@@ -114,7 +114,8 @@ class CallSpec:
         tiles that spill with them, _config.tile)."""
         return tuple(name for name, on in (("softcap", self.softcap > 0), ("alibi", self.alibi),
                                            ("dropout", self.dropout > 0),
-                                           ("user", self.score_mod or self.mask_mod)) if on)
+                                           ("user", self.score_mod or self.mask_mod),
+                                           ("varlen", self.seq == SEQ_PACKED)) if on)
 
     def variant(self):
         """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh)."""

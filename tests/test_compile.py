@@ -1,6 +1,7 @@
 """Every kernel instantiation the config table can pick compiles through NVRTC with no local
 memory: no register spills and no stack frame. Complete for sm_80 and sm_90 (with the Hopper
-kernels of cuda/fwd_sm90.cu, for sm_90a); for sm_86 (99 KB
+kernels of cuda/fwd_sm90.cu and cuda/bwd_sm90.cu, for sm_90a, and the decode kernels of
+cuda/decode.cu); for sm_86 (99 KB
 of shared memory) only the smaller tiles that sm_80 never picks: the two have the same register
 file, and on the instantiations both pick ptxas's register counts stay close (within 22 with
 NVRTC 13.5, none spilling on either).
@@ -22,7 +23,7 @@ from cupyflash._launch import kernel_names  # noqa: E402
 pytestmark = pytest.mark.compile
 
 ARCHS = ("sm_80", "sm_90", "sm_86")
-FILES = ("fwd.cu", "bwd.cu", "generic.cu", "fwd_sm90.cu", "bwd_sm90.cu")
+FILES = ("fwd.cu", "bwd.cu", "generic.cu", "fwd_sm90.cu", "bwd_sm90.cu", "decode.cu")
 # Instantiations per NVRTC program: small pieces keep every core busy to the end, and parsing
 # the source again for each piece costs little beside ptxas's work on the kernels.
 PIECE = 4
