@@ -53,21 +53,6 @@ def random_cache(cp, batch, context):
     return k, v
 
 
-def graph_of(cp, call):
-    """``call`` captured once on a stream of its own (after an eager call that compiles), and
-    the captured call's result, which the caller keeps while it replays the graph: the replays
-    write there, and memory freed to the pool could hold another array meanwhile."""
-    cp.cuda.Device().synchronize()   # the inputs, made on other streams, are there
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        call()
-        stream.synchronize()
-        stream.begin_capture()
-        result = call()
-        graph = stream.end_capture()
-    return stream, graph, result
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -117,7 +102,7 @@ def main():
                 def ours(kc=kc, vc=vc, table=table):
                     return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
                 eager = bench.time_calls(clock, [ours], args.reps)
-                stream, graph, _result = graph_of(cp, ours)
+                stream, graph, _result = bench.timing.graph_of(ours)
                 with stream:
                     replay = bench.time_calls(clock, [lambda g=graph, s=stream: g.launch(s)], args.reps)
                 add("cupyflash", layout, batch, context, replay, eager_ms=eager["ms"])

@@ -9,6 +9,8 @@ benchmark here (cupyflash.bench.timing: median of per-call CUDA-event times afte
 two input sets in turn):
   varlen        cupyflash.flash_attention_varlen on the packed batch (each call reads the
                 offsets to the host to check them: one small copy and a wait per call)
+  varlen_graph  the same calls captured in a CUDA graph (maximums given, offsets trusted) and
+                replayed: the kernels without the host's part
   dense_mean    cupyflash.flash_attention on batch x mean length (the same token count)
   varlen_equal  flash_attention_varlen on that same equal-length batch, packed: the cost of
                 the packed addressing alone
@@ -79,7 +81,24 @@ def rows_for(lens, causal, reps):
         lambda s=s, o=o: cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu,
                                                             causal=causal)
         for s, o in fwd], reps), list(packed[0][0].shape))
-    del fwd, packed
+    # The same calls as CUDA graph replays: the maximums given, the offsets trusted, no read
+    # to the host between calls (the kernels' time alone).
+    longest = int(lens.max())
+
+    def graph_fwd(s=packed[0]):
+        return cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, longest, longest, causal=causal,
+                                         return_lse=True)
+    fwd_stream, fwd_graph, fwd_result = timing.graph_of(graph_fwd)
+
+    def graph_bwd(s=packed[0], o=fwd_result):
+        return cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu, longest,
+                                                  longest, causal=causal)
+    bwd_stream, bwd_graph, bwd_result = timing.graph_of(graph_bwd)
+    for pass_, stream, graph in (("fwd", fwd_stream, fwd_graph), ("bwd", bwd_stream, bwd_graph)):
+        with stream:
+            add("varlen_graph", pass_, timing.time_calls(clock, [lambda g=graph, st=stream: g.launch(st)], reps),
+                list(packed[0][0].shape))
+    del fwd, packed, fwd_result, bwd_result, fwd_graph, bwd_graph
     timing.release_memory()
 
     # Dense at the mean length: the same token count in equal sequences.
@@ -174,6 +193,8 @@ def table(rows):
             cells = [f"{'causal' if causal else 'full'} {pass_}",
                      f"{v['tflops']:.0f}" if v else "-", f"{d['tflops']:.0f}" if d else "-",
                      f"{v['tflops'] / d['tflops']:.2f}" if v and d else "-"]
+            g = ms("varlen_graph", pass_)
+            cells += [f"{g['tflops']:.0f}" if g else "-", f"{g['tflops'] / d['tflops']:.2f}" if g and d else "-"]
             for impl in ("sdpa_cudnn_padded", "sdpa_flash_padded"):
                 p = ms(impl, pass_)
                 cells.append(f"{p['ms']:.2f} ms ({p['ms'] / v['ms']:.2f}x ours)" if p and v else "-")
@@ -181,8 +202,8 @@ def table(rows):
                 p = ms(impl, pass_)
                 cells.append(f"{p['tflops']:.0f}" if p else "-")
             lines.append("| " + " | ".join(cells) + " |")
-    head = ("| pass | varlen TFLOP/s | dense at mean | ratio | SDPA cuDNN padded | SDPA flash padded |"
-            " packed equal | dense each |\n|---|---|---|---|---|---|---|---|")
+    head = ("| pass | varlen TFLOP/s | dense at mean | ratio | graph replays | ratio | SDPA cuDNN padded |"
+            " SDPA flash padded | packed equal | dense each |\n|---|---|---|---|---|---|---|---|---|---|")
     return head + "\n" + "\n".join(lines)
 
 

@@ -12,6 +12,8 @@ buffer where the capture left it. So, checked on the GPU:
 - PyTorch: a training step of a small model (projections, our causal attention, backward
   through autograd) captured whole and replayed on a new input gives the eager step's loss
   and gradients;
+- a packed batch (flash_attention_varlen, maximums given) captured and replayed on new values
+  gives the bits of eager calls on them;
 - host work a capture cannot hold is refused with a RuntimeError that says what to do, and
   the capture is still usable after it: a kernel's first use (compile and load), a block
   mask's lists never copied to the device, a mask_mod without a block mask.
@@ -82,6 +84,52 @@ def test_cupy_capture_replays_forward_and_backward_on_new_inputs(with_mask):
     gpu_checks.check_forward(CASE, q, k, v, out, lse, scale, elem_mask)
     gpu_checks.check_backward(CASE, dout, q, k, v, (dq, dk, dv), scale, elem_mask)
     assert all(bool((a == 7).all()) for a in bystanders), "the replay wrote memory it does not own"
+
+
+def test_cupy_capture_replays_a_packed_batch_on_new_inputs():
+    """flash_attention_varlen and its backward captured with the maximums given (the offsets
+    are trusted there, not read to the host), replayed on new values: the bits of eager calls
+    on those values (forward, dk, dv; dq adds up by atomics in any order: the rule)."""
+    lens = [130, 1, 77, 0, 200]
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    total, h, hk, d = sum(lens), 4, 2, 64
+    rng = np.random.default_rng(41)
+
+    def draw():
+        return [cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.bfloat16)
+                for s in ((total, h, d), (total, hk, d), (total, hk, d), (total, h, d))]
+    q, k, v, dout = draw()
+    kw = dict(causal=True)
+
+    def step():
+        out, lse = cf.flash_attention_varlen(q, k, v, cu, cu, max(lens), max(lens), return_lse=True, **kw)
+        return (out, lse) + cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, max(lens),
+                                                               max(lens), **kw)
+
+    step()
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        results, graph = _capture(stream, step)
+        for r in results:
+            r.fill(np.nan)
+        for a, f in zip((q, k, v, dout), draw()):
+            a[...] = f
+        stream.synchronize()
+        graph.launch()
+        stream.synchronize()
+    out, lse, dq, dk, dv = results
+    ref = step()
+    for name, got, want in zip(("out", "lse", "dk", "dv"), (out, lse, dk, dv), (ref[0], ref[1], ref[3], ref[4])):
+        assert bool((got.view(cp.uint8) == want.view(cp.uint8)).all()), name
+    err = float(cp.abs(dq.astype(cp.float32) - ref[2].astype(cp.float32)).max())
+    assert err <= 1e-2 * float(cp.abs(ref[2].astype(cp.float32)).max()), err
+
+    def without_maximums():
+        with pytest.raises(RuntimeError, match="max_seqlen_q and max_seqlen_k"):
+            cf.flash_attention_varlen(q, k, v, cu, cu)
+    with stream:
+        _capture(stream, without_maximums)
 
 
 def test_first_use_of_a_kernel_in_a_capture_is_refused_and_the_capture_survives():

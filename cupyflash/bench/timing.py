@@ -185,6 +185,22 @@ class Timing:
                     first_call_s=round(self.first_call_s, 3))
 
 
+def graph_of(call):
+    """``call`` captured once on a stream of its own (after an eager call that compiles):
+    (stream, graph, the captured call's result). The caller keeps the result while it replays
+    the graph: the replays write there, and memory freed to the pool could hold another array
+    meanwhile. Time the replays inside ``with stream:``."""
+    cp.cuda.Device().synchronize()   # the inputs, made on other streams, are there
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        call()
+        stream.synchronize()
+        stream.begin_capture()
+        result = call()
+        graph = stream.end_capture()
+    return stream, graph, result
+
+
 def time_calls(clock, calls, reps, warmup=3):
     """``Timing.summary()`` of ``calls`` after ``warmup`` calls and ``reps`` timed ones."""
     timing = Timing(clock, calls)
