@@ -31,6 +31,9 @@ arrays vary with the case. Each entry holds its CUDA snippets, its Python rules 
 path, and a dense spelling of the same rule for tests/reference.py, written apart from the
 Python rule so that a wrong rule on either path shows as a mismatch.
 
+Packed batches and KV caches have descriptions of their own (``PackedCase``, ``CacheCase``,
+drawn by ``packed_cases`` and ``cache_cases``), reproducible the same way.
+
 Helpers shared by the fuzz tests live here too: ``Case.visibility`` (which query rows and keys
 see nothing), ``assert_zero_where_unseen`` (exact zeros there), the settings profiles and the
 per-family example counts printed at the end of the pytest session.
@@ -842,3 +845,133 @@ class ExampleCounts:
         parts = ", ".join(f"{family} {n}" for family, n in self.counts.items())
         line = f"{self.title}: {parts} (total {sum(self.counts.values())})"
         terminalreporter.write_line(line + "".join(f"; {n}" for n in self.notes))
+
+
+# Packed variable-length batches and KV caches: their own small descriptions, reproducible the
+# same way (``inputs(np)`` gives the same arrays for the same seed).
+
+SPECIAL_PACKED_LENGTHS = (0, 1, 2, 15, 16, 17, 63, 64, 65)
+
+
+@dataclass(frozen=True)
+class PackedCase:
+    """A flash_attention_varlen call: per-sequence lengths (0 allowed: no queries or no keys),
+    heads, head dim, the variant keywords and the inputs' seed."""
+    lens_q: tuple
+    lens_k: tuple
+    nheads: int
+    nheads_k: int
+    d: int
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    seed: int = 0
+
+    def offsets(self):
+        return tuple(np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (self.lens_q, self.lens_k))
+
+    def inputs(self, xp):
+        """q, k, v, dout (float64), packed."""
+        tq, tk = sum(self.lens_q), sum(self.lens_k)
+        shapes_ = ((tq, self.nheads, self.d), (tk, self.nheads_k, self.d), (tk, self.nheads_k, self.d),
+                   (tq, self.nheads, self.d))
+        return tuple(random_array(xp, s, np.float64, self.seed + i) for i, s in enumerate(shapes_))
+
+    def variant(self):
+        """The keywords beside causal (tests/reference.py's spelling too)."""
+        return dict(window_size=self.window_size, softcap=self.softcap)
+
+    def keywords(self):
+        return dict(causal=self.causal, **self.variant())
+
+
+@st.composite
+def packed_cases(draw, *, max_batch=5, max_seqlen=130, max_work=2**21):
+    """Up to max_batch sequences, lengths 0..max_seqlen (tile edges, 0 and 1 favoured), keys
+    as many as queries or drawn apart, GQA, head dims 1..64, causal, a window or softcap (each
+    alone or none), under ``sum(sq * sk) * nheads * d <= max_work``."""
+    batch = draw(st.integers(1, max_batch))
+    length = _sizes(SPECIAL_PACKED_LENGTHS, 0, max_seqlen)
+    # At least one row in all: a packed array of no rows is refused (test_varlen).
+    lens_q = tuple(draw(st.lists(length, min_size=batch, max_size=batch))) or (1,)
+    lens_q = lens_q if any(lens_q) else (1,) + lens_q[1:]
+    lens_k = lens_q if draw(st.booleans()) else tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
+    lens_k = lens_k if any(lens_k) else (1,) + lens_k[1:]
+    nheads_k = draw(st.integers(1, 2))
+    nheads = nheads_k * draw(st.integers(1, 3))
+    pairs = max(sum(a * b for a, b in zip(lens_q, lens_k)), 1)
+    d = draw(head_dims(max(1, min(64, max_work // (pairs * nheads)))))
+    extra = draw(st.sampled_from(("none", "window", "softcap")))
+    window = draw(st.tuples(st.integers(-1, 40), st.integers(-1, 40))) if extra == "window" else (-1, -1)
+    return PackedCase(lens_q, lens_k, nheads, nheads_k, d, draw(st.booleans()), window,
+                      draw(st.floats(0.5, 30.0)) if extra == "softcap" else 0.0,
+                      draw(st.integers(0, 2**16)))
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    """A flash_attention_with_kvcache call: ``page_size`` None for a contiguous cache, else
+    pages of that many rows under a shuffled table with spare pages; ``seqlens`` the keys in
+    each entry before the call, ``new`` the keys it appends (0: none)."""
+    seqlens: tuple
+    capacity: int
+    new: int
+    seqlen_q: int
+    nheads: int
+    nheads_k: int
+    d: int
+    page_size: Optional[int] = None
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    seed: int = 0
+
+    @property
+    def batch(self):
+        return len(self.seqlens)
+
+    def inputs(self, xp):
+        """q, k_cache, v_cache, k, v (k and v None without an append), block_table."""
+        rng_seed, b, hk, d = self.seed, self.batch, self.nheads_k, self.d
+        q = random_array(xp, (b, self.seqlen_q, self.nheads, d), np.float64, rng_seed)
+        table = None
+        if self.page_size is None:
+            cache = (b, self.capacity, hk, d)
+        else:
+            per_seq = -(-self.capacity // self.page_size)
+            pages = b * per_seq + 2
+            cache = (pages, self.page_size, hk, d)
+            order = np.random.default_rng(rng_seed).permutation(pages)[:b * per_seq]
+            table = xp.asarray(order.reshape(b, per_seq).astype(np.int32))
+        k_cache, v_cache = (random_array(xp, cache, np.float64, rng_seed + i) for i in (1, 2))
+        k = v = None
+        if self.new:
+            k, v = (random_array(xp, (b, self.new, hk, d), np.float64, rng_seed + i) for i in (3, 4))
+        return q, k_cache, v_cache, k, v, table
+
+    def variant(self):
+        """The keywords beside causal (tests/reference.py's spelling too)."""
+        return dict(window_size=self.window_size, softcap=self.softcap)
+
+    def keywords(self):
+        return dict(causal=self.causal, **self.variant())
+
+
+@st.composite
+def cache_cases(draw, *, max_batch=3, max_capacity=100, max_new=4, max_q=4):
+    """Contiguous caches and paged ones (pages of 16, 32 or 48 rows), lengths from 0 to the
+    capacity left after the append (both ends favoured), appends of 0..max_new keys, one query
+    (decoding) or a few (chunked prefill), GQA, head dims 1..64, causal, a window or softcap."""
+    new = draw(st.integers(0, max_new))
+    capacity = draw(st.integers(max(new, 1), max_capacity))
+    room = capacity - new
+    batch = draw(st.integers(1, max_batch))
+    length = st.one_of(st.sampled_from((0, room)), st.integers(0, room))
+    seqlens = tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
+    nheads_k = draw(st.integers(1, 2))
+    extra = draw(st.sampled_from(("none", "window", "softcap")))
+    return CacheCase(seqlens, capacity, new, draw(st.integers(1, max_q)), nheads_k * draw(st.integers(1, 4)),
+                     nheads_k, draw(head_dims(64)), draw(st.sampled_from((None, 16, 32, 48))),
+                     draw(st.booleans()),
+                     draw(st.tuples(st.integers(-1, 30), st.integers(-1, 30))) if extra == "window" else (-1, -1),
+                     draw(st.floats(0.5, 30.0)) if extra == "softcap" else 0.0, draw(st.integers(0, 2**16)))

@@ -24,11 +24,16 @@ mask_mods: documents, prefix-LM, a local window per head; each alone or a pair, 
 allows them), packed and padded strided layouts, an explicit softmax_scale, block masks of
 every builder (block sizes 64/128 per side, shared or per head, with or without the mask's own
 causal) and the deterministic flag, under a work budget that keeps the NumPy loops fast.
+Two more families: packed variable-length batches (``packed_cases``: up to 5 sequences of 0..130
+queries and keys each, empty ones included, causal, window or softcap; each sequence against
+the reference alone, forward and backward) and KV caches (``cache_cases``: contiguous or paged
+by 16/32/48 rows under a shuffled table, lengths 0 to full, appends of 0..4 keys, 1..4 queries:
+the appended rows in place, no other row touched, out and lse over each entry's prefix).
 
 Budget: a fixed number of examples per family (DENSE_EXAMPLES = 250, SPARSE_EXAMPLES = 150,
 MODS_EXAMPLES = 100; user mods come in about half the dense and block-sparse cases that allow
-them, and in every case of the third family), drawn derandomized so CI sees the same cases on
-every run. Measured on the 2-core CPU-only development machine: the whole file takes 6.5-11 s;
+them, and in every case of the third family; PACKED_EXAMPLES = CACHE_EXAMPLES = 60, about 3 s
+together), drawn derandomized so CI sees the same cases on every run. Measured on the 2-core CPU-only development machine: the whole file takes 6.5-11 s;
 while other jobs competed for its two cores, 700 examples once took 80 s (NumPy's two BLAS
 threads then wait on each other), so these 500 stay under a minute even then. The line "fuzz
 examples run per family (NumPy path): ..." at the end of pytest's output gives the counts.
@@ -53,15 +58,16 @@ try:
     from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
                            attention_ref, attention_ref_backward, rel_err)
     from strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
-                            assert_zero_where_unseen, block_masks, cases, dropouts, layouts,
-                            maybe_windows, shapes, softcaps, user_mods)
+                            assert_zero_where_unseen, block_masks, cache_cases, cases, dropouts,
+                            layouts, maybe_windows, packed_cases, shapes, softcaps, user_mods)
 except ImportError:
     from tests.reference import (assert_rule, attention_naive,  # noqa: E402
                                  attention_naive_backward, attention_ref,
                                  attention_ref_backward, rel_err)
     from tests.strategies import (FUZZ_PROFILE, ExampleCounts, alibis,  # noqa: E402
-                                  assert_zero_where_unseen, block_masks, cases, dropouts,
-                                  layouts, maybe_windows, shapes, softcaps, user_mods)
+                                  assert_zero_where_unseen, block_masks, cache_cases, cases,
+                                  dropouts, layouts, maybe_windows, packed_cases, shapes,
+                                  softcaps, user_mods)
 
 F64_REL = 1e-12
 FWD_FACTOR, BWD_FACTOR = 2, 3
@@ -69,6 +75,8 @@ FWD_FACTOR, BWD_FACTOR = 2, 3
 DENSE_EXAMPLES = 250
 SPARSE_EXAMPLES = 150
 MODS_EXAMPLES = 100
+PACKED_EXAMPLES = 60
+CACHE_EXAMPLES = 60
 
 # float64 is the NumPy path's own precision (the tight check): drawn twice as often. fp16/bf16
 # inputs are left to the GPU fuzz: the NumPy path's backward takes out rounded to them, so its
@@ -186,3 +194,96 @@ def test_numpy_path_block_sparse_matches_reference(case):
              mods=lambda score, mask: user_mods(score, mask, one_in=1)))
 def test_numpy_path_user_mods_match_reference(case):
     _checked(case, "user_mods")
+
+
+def check_packed(case):
+    """A packed call and its backward (float64, NumPy path) against the reference on each
+    sequence alone: within F64_REL; a sequence without keys gives out 0, lse -inf, dq 0, one
+    without queries dk = dv = 0."""
+    q, k, v, dout = case.inputs(np)
+    cq, ck = case.offsets()
+    kw = case.keywords()
+    with np.errstate(divide="raise", over="raise", invalid="raise"):
+        out, lse = cf.flash_attention_varlen(q, k, v, cq, ck, return_lse=True, **kw)
+        dq, dk, dv = cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, **kw)
+    assert out.shape == q.shape and lse.shape == (case.nheads, q.shape[0])
+    scale = case.d ** -0.5
+    for b in range(len(case.lens_q)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if rq.start == rq.stop:
+            assert not dk[rk].any() and not dv[rk].any(), f"sequence {b}: keys without queries got gradients"
+            continue
+        if rk.start == rk.stop:
+            assert not out[rq].any() and np.isneginf(lse[:, rq]).all() and not dq[rq].any(), \
+                f"sequence {b}: rows without keys"
+            continue
+        one = (q[None, rq], k[None, rk], v[None, rk])
+        ref_out, ref_lse = attention_ref(*one, scale, case.causal, **case.variant())
+        ref_grads = attention_ref_backward(dout[None, rq], *one, scale, case.causal, **case.variant())
+        got = (out[None, rq], lse[None, :, rq], dq[None, rq], dk[None, rk], dv[None, rk])
+        np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(ref_lse),
+                                      err_msg=f"sequence {b}: lse -inf exactly on rows without keys")
+        for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, (ref_out, ref_lse, *ref_grads)):
+            assert not np.isnan(g).any(), f"sequence {b}: {name} has NaN"
+            err = rel_err(g, r)
+            assert err < F64_REL, f"sequence {b}: {name} relative error {err:.2e}"
+
+
+def check_cache(case):
+    """An append and attention over a KV cache (float64, NumPy path): the new keys land at
+    each entry's length, no other cache row changes, and each entry's out and lse are the
+    reference's over its first seqlens[b] + new keys."""
+    q, k_cache, v_cache, k, v, table = case.inputs(np)
+    before = k_cache.copy(), v_cache.copy()
+    seqlens = np.asarray(case.seqlens, np.int32)
+    out, lse = cf.flash_attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens,
+                                               block_table=table, return_lse=True, **case.keywords())
+    rows = []   # (cache index of each row of entry b's keys), as (slot, row) pairs
+    for b in range(case.batch):
+        n = int(seqlens[b]) + case.new
+        j = np.arange(n)
+        if table is None:
+            at = (np.full(n, b), j)
+        else:
+            at = (table[b, j // case.page_size], j % case.page_size)
+        rows.append(at)
+        if case.new:
+            new = slice(int(seqlens[b]), n)
+            assert np.array_equal(k_cache[at[0][new], at[1][new]], k[b]), f"entry {b}: appended keys"
+            assert np.array_equal(v_cache[at[0][new], at[1][new]], v[b]), f"entry {b}: appended values"
+        if n == 0:
+            assert not out[b].any() and np.isneginf(lse[b]).all(), f"entry {b}: no keys"
+            continue
+        ref_out, ref_lse = attention_ref(q[b:b + 1], k_cache[at][None], v_cache[at][None], case.d ** -0.5,
+                                         case.causal, **case.variant())
+        np.testing.assert_array_equal(np.isneginf(lse[b:b + 1]), np.isneginf(ref_lse),
+                                      err_msg=f"entry {b}: lse -inf exactly on rows without keys")
+        for name, g, r in (("out", out[b:b + 1], ref_out), ("lse", lse[b:b + 1], ref_lse)):
+            assert not np.isnan(g).any(), f"entry {b}: {name} has NaN"
+            err = rel_err(g, r)
+            assert err < F64_REL, f"entry {b}: {name} relative error {err:.2e}"
+    untouched = np.ones(k_cache.shape[:2], bool)
+    for b, at in enumerate(rows):
+        untouched[at[0][int(seqlens[b]):], at[1][int(seqlens[b]):]] = False
+    for name, now, was in (("k_cache", k_cache, before[0]), ("v_cache", v_cache, before[1])):
+        assert np.array_equal(now[untouched], was[untouched]), f"{name}: a row outside the appends changed"
+
+
+@settings(FUZZ_PROFILE, max_examples=PACKED_EXAMPLES)
+@given(packed_cases())
+def test_numpy_path_packed_batches_match_reference(case):
+    try:
+        check_packed(case)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n  {case!r}") from e
+    COUNTS.passed("packed")
+
+
+@settings(FUZZ_PROFILE, max_examples=CACHE_EXAMPLES)
+@given(cache_cases())
+def test_numpy_path_kv_caches_match_reference(case):
+    try:
+        check_cache(case)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n  {case!r}") from e
+    COUNTS.passed("kv_cache")
