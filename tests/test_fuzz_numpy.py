@@ -163,9 +163,9 @@ def check_case(case):
                     float(sizes[name].max()))
 
 
-def _checked(case, family):
+def _checked(case, family, check=check_case):
     try:
-        check_case(case)
+        check(case)
     except AssertionError as e:
         raise AssertionError(f"{e}\n  {case!r}") from e
     COUNTS.passed(family)
@@ -272,18 +272,10 @@ def check_cache(case):
 @settings(FUZZ_PROFILE, max_examples=PACKED_EXAMPLES)
 @given(packed_cases())
 def test_numpy_path_packed_batches_match_reference(case):
-    try:
-        check_packed(case)
-    except AssertionError as e:
-        raise AssertionError(f"{e}\n  {case!r}") from e
-    COUNTS.passed("packed")
+    _checked(case, "packed", check_packed)
 
 
 @settings(FUZZ_PROFILE, max_examples=CACHE_EXAMPLES)
 @given(cache_cases())
 def test_numpy_path_kv_caches_match_reference(case):
-    try:
-        check_cache(case)
-    except AssertionError as e:
-        raise AssertionError(f"{e}\n  {case!r}") from e
-    COUNTS.passed("kv_cache")
+    _checked(case, "kv_cache", check_cache)
