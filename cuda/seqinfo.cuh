@@ -63,6 +63,9 @@ struct SeqLens {
     template <typename Params>
     __device__ __forceinline__ int k(const Params& p) const { return p.seqlen_k; }
 };
+// Packed calls hold the two lengths, unlike SeqInfo: the masks read them per tile and per
+// element, and reading them at each use there moved spills between kernels instead of
+// removing them (benchmarks/NOTES.md).
 template <>
 struct SeqLens<SEQ_PACKED> {
     int sq = 0, sk = 0;
