@@ -340,26 +340,28 @@ def _scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
-def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset, user):
-    """Runs inside the caller's device and stream (``_arrays.launch_context``)."""
+def _forward_gpu(q, k, v, scale, spec, block_mask, alibi_slopes, seed, offset, user, packed=None):
+    """Runs inside the caller's device and stream (``_arrays.launch_context``). ``packed``: the
+    _launch.Packed of a packed batch, whose q, k, v come as (1, total, nheads, headdim) views
+    and whose lse is (nheads, total_q)."""
     import cupy as cp
     from . import _launch
     _launch.check_supported(spec, block_mask)
     b, sq, h, _ = q.shape
     out = cp.empty(q.shape, q.dtype)
-    lse = cp.empty((b, h, sq), _config.lse_dtype(q.dtype))
+    lse = cp.empty((h, sq) if packed is not None else (b, h, sq), _config.lse_dtype(q.dtype))
     with _arrays.scratch(cp):
         _launch.forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, (seed, offset),
-                        [a for _, a in user])
+                        [a for _, a in user], packed=packed)
     return out, lse
 
 
 def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, seed, offset,
-                  deterministic, score_mod, user):
+                  deterministic, score_mod, user, packed=None):
+    """As _forward_gpu, for the backward."""
     import cupy as cp
     from . import _launch
     _launch.check_supported(spec, block_mask)
-    b, sq, h, _ = q.shape
     dq = cp.empty(q.shape, q.dtype)
     dk = cp.empty(k.shape, k.dtype)
     dv = cp.empty(v.shape, v.dtype)
@@ -371,13 +373,14 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
         # The kernels read lse in its own dtype: a float32 lse given with float64 inputs is
         # widened.
         lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
-        stats = cp.empty((2, b, h, sq), _config.lse_dtype(q.dtype))   # D and lse in log2 units
+        stats = cp.empty((2,) + lse.shape, lse.dtype)   # D and lse in log2 units
         # dQ in an fp32 buffer, added to by every key block: in any order, or in key order
         # where the Hopper pass runs deterministic=True (else dQ has a pass of its own).
-        dq_accum = _launch.dq_buffer(spec, block_mask, deterministic, q, k, v, out, dout, dq, dk, dv)
+        dq_accum = _launch.dq_buffer(spec, block_mask, deterministic, q, k, v, out, dout, dq, dk, dv,
+                                     packed=packed)
         _launch.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
                          block_mask, alibi_slopes, (seed, offset), [a for _, a in user], grads,
-                         deterministic=deterministic)
+                         deterministic=deterministic, packed=packed)
     if grads:
         return dq, dk, dv, {user[slot][0]: g for slot, g in grads.items()}
     return dq, dk, dv

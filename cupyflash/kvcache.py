@@ -79,7 +79,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     spec = dataclasses.replace(spec, seq=_spec.SEQ_PAGED if cache.paged else _spec.SEQ_CACHE)
     with _arrays.launch_context(kind):
         if xp is np:
-            lens = cache.host_lengths(np)
+            lens = cache.host_lengths()
             _append(np, cache, k_cache, v_cache, k, v, lens)
             out, lse = _gathered(np, cache, q, k_cache, v_cache, lens, causal, window_size, softcap,
                                  alibi_slopes, scale)
@@ -126,7 +126,7 @@ def _gpu(cp, cache, q, k_cache, v_cache, k, v, spec, scale, alibi_slopes, num_sp
          window_size, softcap):
     from . import _launch
     capturing = _arrays.capturing(cp)
-    lens = None if capturing else cache.host_lengths(np)
+    lens = None if capturing else cache.host_lengths()
     decode = _launch.decode_supported(spec, q, k_cache, v_cache, k, v)
     if capturing and not decode:
         raise RuntimeError("flash_attention_with_kvcache gathers the cache on the host for these "
@@ -165,7 +165,7 @@ class _Cache:
         self.capacity = (block_table.shape[1] * self.page_size) if self.paged else k_cache.shape[1]
         self.num_pages = k_cache.shape[0]
 
-    def host_lengths(self, np_):
+    def host_lengths(self):
         """The lengths and the block table on the host, checked: the append fits each entry's
         capacity, the pages it uses exist."""
         if self.seqlens is None:

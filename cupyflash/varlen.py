@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from . import _arrays, _config, _spec, _validate, mods
-from .api import _as_backend, _call_spec, _user_mods
+from .api import _as_backend, _backward_gpu, _call_spec, _forward_gpu, _user_mods
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
@@ -213,39 +213,15 @@ def _numpy_backward(call, packed, dout, out, lse):
 
 
 def _gpu_forward(call, packed):
-    import cupy as cp
-    from . import _launch
     q, k, v = call.arrays
-    _launch.check_supported(call.spec, None)
-    out = cp.empty(q.shape, q.dtype)
-    lse = cp.empty((q.shape[1], q.shape[0]), _config.lse_dtype(q.dtype))
-    with _arrays.scratch(cp):
-        _launch.forward(q[None], k[None], v[None], out[None], lse, call.scale, call.spec, None,
-                        call.alibi_slopes, (call.seed, call.offset), [a for _, a in call.user],
-                        packed=packed)
-    return out, lse
+    out, lse = _forward_gpu(q[None], k[None], v[None], call.scale, call.spec, None, call.alibi_slopes,
+                            call.seed, call.offset, call.user, packed=packed)
+    return out[0], lse
 
 
 def _gpu_backward(call, packed, dout, out, lse, deterministic):
-    import cupy as cp
-    from . import _launch
     q, k, v = call.arrays
-    _launch.check_supported(call.spec, None)
-    dq, dk, dv = (cp.empty(a.shape, a.dtype) for a in (q, k, v))
-    wanted = call.score_mod.grad_arrays if call.score_mod is not None else ()
-    gdtype = cp.float64 if q.dtype == cp.float64 else cp.float32
-    grads = {slot: cp.zeros(a.shape, gdtype) for slot, (name, a) in enumerate(call.user)
-             if name in wanted}
-    with _arrays.scratch(cp):
-        lse = cp.ascontiguousarray(lse, dtype=_config.lse_dtype(q.dtype))
-        stats = cp.empty((2,) + lse.shape, lse.dtype)
-        views = [a[None] for a in (q, k, v, out, dout, dq, dk, dv)]
-        dq_accum = _launch.dq_buffer(call.spec, None, deterministic, *views, packed=packed)
-        q4, k4, v4, out4, dout4, dq4, dk4, dv4 = views
-        _launch.backward(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, stats, dq_accum, call.scale, call.spec, None,
-                         call.alibi_slopes,
-                         (call.seed, call.offset), [a for _, a in call.user], grads,
-                         deterministic=deterministic, packed=packed)
-    if grads:
-        return dq, dk, dv, {call.user[slot][0]: g for slot, g in grads.items()}
-    return dq, dk, dv
+    grads = _backward_gpu(dout[None], q[None], k[None], v[None], out[None], lse, call.scale, call.spec,
+                          None, call.alibi_slopes, call.seed, call.offset, deterministic, call.score_mod,
+                          call.user, packed=packed)
+    return (*(g[0] for g in grads[:3]), *grads[3:])
