@@ -20,7 +20,8 @@ conversion) and the deterministic backward (its own dQ pass), block-sparse forwa
 backward, the plain float32/float64 kernels, every dtype, every head-dim bucket's tile shape
 (head dims 27, 32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256), sequence tails (1, 17, 97,
 130, 200, 255, 257, 300) with seqlen_q != seqlen_k both ways, causal and not (rows that see no
-key included), GQA and MQA, and packed variable-length batches.
+key included), GQA and MQA, packed variable-length batches, and KV caches (the decode
+kernels: the append, one split and several with the merge, contiguous and paged).
 
 The driver allocates with plain cudaMalloc (``cupy.cuda.set_allocator(None)``): inside a block
 of CuPy's pool an out-of-bounds access lands in memory memcheck counts as allocated. Its
@@ -67,6 +68,9 @@ class Case(gpu_checks.Case):
                              # gradient) and a document mask_mod
     packed: tuple = None     # a packed batch (flash_attention_varlen): ((sq, sk), ...) per
                              # sequence; the case's sq and sk are the longest's
+    cache: tuple = None      # a KV cache (flash_attention_with_kvcache, forward only): (the
+                             # entries' lengths before the call, page size (0: contiguous),
+                             # num_splits); sk is each entry's capacity, one new key appended
 
     @property
     def id(self):
@@ -76,7 +80,9 @@ class Case(gpu_checks.Case):
                 + ("-alibi" if self.alibi else "")
                 + (f"-drop{self.dropout:g}" if self.dropout else "")
                 + ("-usermods" if self.user else "")
-                + ("-packed" + "_".join(f"{a}x{b}" for a, b in self.packed) if self.packed else ""))
+                + ("-packed" + "_".join(f"{a}x{b}" for a, b in self.packed) if self.packed else "")
+                + ("-cache{}-page{}-splits{}".format("_".join(map(str, self.cache[0])), *self.cache[1:])
+                   if self.cache else ""))
 
     def user_tables(self):
         """The user mods' arrays (NumPy): bias (nheads, sq + sk) and document ids (sk,)."""
@@ -127,7 +133,9 @@ class Case(gpu_checks.Case):
     @property
     def modes(self):
         """Backward variants: atomic dQ and the deterministic dQ pass for the tensor-core
-        kernels; the plain kernels have one."""
+        kernels; the plain kernels have one; a KV cache has no backward."""
+        if self.cache:
+            return ()
         return ("atomic", "deterministic") if self.dtype in gpu_checks.HALF else ("plain",)
 
 
@@ -191,6 +199,12 @@ CASES = (
     Case("fp16", 130, 130, 64, False, packed=((97, 130), (130, 1), (5, 17))),
     Case("bf16", 130, 200, 256, True, packed=((130, 200), (33, 17), (1, 1))),
     Case("fp32", 130, 97, 72, True, nheads=4, nheads_k=2, packed=((130, 97), (0, 3), (17, 40))),
+    # KV caches (the decode kernels): empty, partial and full entries, contiguous and paged
+    # (the pages shuffled), one split and several, chunked prefill with a band.
+    Case("bf16", 1, 256, 128, False, batch=3, nheads=8, nheads_k=2, cache=((0, 100, 255), 0, 0)),
+    Case("fp16", 1, 512, 64, False, batch=2, nheads=4, nheads_k=4, cache=((300, 511), 16, 3)),
+    Case("bf16", 3, 512, 256, True, batch=2, nheads=6, nheads_k=1, window=(100, 0), softcap=5.0,
+         cache=((17, 400), 256, 0)),
 )
 
 # One error of each tool's kind: a read one element past an array (memcheck), warps writing
@@ -289,6 +303,58 @@ def _check_packed(case, host, result):
                     {m: (g[0][None, rq], g[1][None, rk], g[2][None, rk]) for m, g in grads.items()}), None)
 
 
+def _cache_inputs(case):
+    """q (batch, sq, h, d), the caches (batch, sk, hk, d) and the new key and value (batch, 1,
+    hk, d) of a KV-cache case, on the host."""
+    from tests.reference import random_inputs
+    import numpy as np
+    seed = zlib.crc32(case.id.encode())
+    dtype = gpu_checks.DTYPES[case.dtype]
+    q, k, v = random_inputs(np, (case.batch, case.sq, case.nheads, case.d),
+                            (case.batch, case.sk, case.nheads_k, case.d), dtype, seed)
+    _, k_new, v_new = random_inputs(np, (1,), (case.batch, 1, case.nheads_k, case.d), dtype, seed + 5)
+    return q, k, v, k_new, v_new
+
+
+def _run_cache(case, host):
+    """out and lse of a KV-cache case, with the caches laid out in pages when it has them."""
+    import cupy as cp
+    import numpy as np
+    import cupyflash as cf
+    q, k, v, k_new, v_new = (cp.asarray(x) for x in host)
+    lens, page, splits = case.cache
+    table = None
+    if page:
+        count = case.batch * case.sk // page
+        order = np.random.default_rng(1).permutation(count)
+        paged = []
+        for x in (k, v):
+            pages = cp.empty((count, page) + x.shape[2:], x.dtype)
+            pages[cp.asarray(order)] = x.reshape(pages.shape)
+            paged.append(pages)
+        k, v = paged
+        table = cp.asarray(order.reshape(case.batch, -1).astype(np.int32))
+    kw = case.keywords(cp)
+    out, lse = cf.flash_attention_with_kvcache(
+        q, k, v, k=k_new, v=v_new, cache_seqlens=cp.asarray(np.asarray(lens, np.int32)), block_table=table,
+        causal=case.causal, num_splits=splits, return_lse=True, window_size=kw["window_size"],
+        softcap=kw["softcap"])
+    return cp.asnumpy(out), cp.asnumpy(lse)
+
+
+def _check_cache(case, host, result):
+    """Each entry against the reference over its valid keys (the cache's prefix and the new
+    key), by _check_forward."""
+    import dataclasses
+    import numpy as np
+    q, k, v, k_new, v_new = host
+    out, lse = result
+    for b, n in enumerate(case.cache[0]):
+        one = dataclasses.replace(case, sk=n + 1, batch=1, cache=None)
+        keys, values = (np.concatenate([x[b:b + 1, :n], new[b:b + 1]], axis=1) for x, new in ((k, k_new), (v, v_new)))
+        _check_forward(one, q[b:b + 1], keys, values, out[b:b + 1], lse[b:b + 1], one.reference_keywords(), None)
+
+
 def _run_gpu(case, host, block_mask):
     """out, lse and {mode: (dq, dk, dv)}, copied to the host."""
     import cupy as cp
@@ -321,8 +387,7 @@ def _assert_close(name, got, ref, rtol, magnitude):
 def _check(case, host, result, block_mask):
     """The results against the float64 reference on the host, by tests/gpu_checks.py's rule."""
     import numpy as np
-    from tests.reference import (assert_rule, attention_naive, attention_naive_backward,
-                                 attention_ref, attention_ref_backward)
+    from tests.reference import assert_rule, attention_naive_backward, attention_ref_backward
     q, k, v, dout = host
     out, lse, grads = result
     scale = case.d ** -0.5
@@ -330,25 +395,37 @@ def _check(case, host, result, block_mask):
     variant = case.reference_keywords()
     if case.user:
         variant["bias"], mask = case.user_reference()
-    ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask, **variant)
+    _check_forward(case, q, k, v, out, lse, variant, mask)
     refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask, **variant)
     magnitude = max(float(np.abs(r).max()) for r in refs)
     names = ("dq", "dk", "dv")
     if case.dtype in gpu_checks.HALF:
-        naive_out, _ = attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask, **variant)
-        assert_rule("out", out, ref_out, naive_out, gpu_checks.FWD_FACTOR)
         naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype, mask=mask,
                                           **variant)
         for mode, g in grads.items():
             for name, got, ref, naive in zip(names, g, refs, naives):
                 assert_rule(f"{name} ({mode})", got, ref, naive, gpu_checks.BWD_FACTOR, magnitude)
     else:
-        rtol = (gpu_checks.fp32_rtol(case.sq, case.sk) if case.dtype == "fp32"
-                else gpu_checks.FP64_RTOL)
-        _assert_close("out", out, ref_out, rtol, float(np.abs(ref_out).max()))
+        rtol = _rtol(case)
         for mode, g in grads.items():
             for name, got, ref in zip(names, g, refs):
                 _assert_close(f"{name} ({mode})", got, ref, rtol, magnitude)
+
+
+def _rtol(case):
+    return gpu_checks.fp32_rtol(case.sq, case.sk) if case.dtype == "fp32" else gpu_checks.FP64_RTOL
+
+
+def _check_forward(case, q, k, v, out, lse, variant, mask):
+    """out and lse against the float64 reference (the tolerance rule for 16-bit dtypes)."""
+    import numpy as np
+    from tests.reference import assert_rule, attention_naive, attention_ref
+    ref_out, ref_lse = attention_ref(q, k, v, case.d ** -0.5, case.causal, mask=mask, **variant)
+    if case.dtype in gpu_checks.HALF:
+        naive_out, _ = attention_naive(q, k, v, case.d ** -0.5, case.causal, q.dtype, mask=mask, **variant)
+        assert_rule("out", out, ref_out, naive_out, gpu_checks.FWD_FACTOR)
+    else:
+        _assert_close("out", out, ref_out, _rtol(case), float(np.abs(ref_out).max()))
     lse = lse.astype(np.float64)
     seen = np.isfinite(ref_lse)
     assert (np.isneginf(lse) == ~seen).all(), "lse is not -inf exactly on the rows without keys"
@@ -382,7 +459,7 @@ def driver(ids):
     for case in cases:
         t0 = time.perf_counter()
         block_mask = _block_mask(case) if case.block else None
-        host = _host_inputs(case)
+        host = _cache_inputs(case) if case.cache else _host_inputs(case)
         kw = case.keywords(cp)
         kw.pop("seed", None), kw.pop("offset", None)
         spec = _spec.CallSpec.of(host[0], causal=case.causal, block_mask=block_mask, **kw)
@@ -393,7 +470,9 @@ def driver(ids):
             print(f"skip {case.id}: {e}", flush=True)
             continue
         try:
-            if case.packed:
+            if case.cache:
+                _check_cache(case, host, _run_cache(case, host))
+            elif case.packed:
                 _check_packed(case, host, _run_packed(case, host))
             else:
                 _check(case, host, _run_gpu(case, host, block_mask), block_mask)

@@ -235,26 +235,77 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
 }
 
 // The splits' parts of each query row combined by their lse: grid (seqlen_q, nheads, batch),
-// HeadDim threads.
+// DECODE_MERGE_GROUPS groups of HeadDim / 4 threads. The parts were just written (they are in
+// L2): each pass issues its loads together rather than one split after another (whose
+// latencies took 9 of the 22 us of a batch-1 call over 8K keys in 32 splits on the H200:
+// benchmarks/NOTES.md). The lse of every split by all threads at once; then each group adds
+// every eighth split's outputs, four columns a thread, and the groups' sums meet in shared
+// memory.
+constexpr int DECODE_MAX_SPLITS = 128, DECODE_MERGE_GROUPS = 8;
+
+// x reduced by op over the block's Threads threads (every thread gets it); scratch: one float
+// per warp, free again on return.
+template <int Threads, typename Op>
+__device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
+#pragma unroll
+    for (int lane = 16; lane > 0; lane /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, lane));
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = scratch[0];
+#pragma unroll
+    for (int w = 1; w < Threads / 32; ++w) x = op(x, scratch[w]);
+    __syncthreads();
+    return x;
+}
+
 template <typename Elem, int HeadDim>
-__global__ void __launch_bounds__(HeadDim) flash_decode_merge_kernel(const DecodeParams dp) {
+__global__ void __launch_bounds__(DECODE_MERGE_GROUPS * HeadDim / 4) flash_decode_merge_kernel(const DecodeParams dp) {
+    constexpr int Lanes = HeadDim / 4, Threads = DECODE_MERGE_GROUPS * Lanes;
+    static_assert(Threads % 32 == 0, "whole warps");
+    __shared__ float weight[DECODE_MAX_SPLITS], scratch[Threads / 32];
+    __shared__ __align__(16) float part[DECODE_MERGE_GROUPS][HeadDim];
     const FwdParams& p = dp.base;
-    const int q = blockIdx.x, h = blockIdx.y, b = blockIdx.z, col = threadIdx.x;
+    const int q = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
     const index_t row = (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + q;
     const index_t stride = static_cast<index_t>(p.batch) * p.nheads * p.seqlen_q;
     float top = neg_inf();
-    for (int s = 0; s < dp.splits; ++s) top = fmaxf(top, dp.lse_part[s * stride + row]);
-    const float base = top == neg_inf() ? 0.f : top;
-    float total = 0.f, o = 0.f;
-    for (int s = 0; s < dp.splits; ++s) {
-        const float w = __expf(dp.lse_part[s * stride + row] - base);
-        total += w;
-        o = fmaf(w, dp.o_part[(s * stride + row) * HeadDim + col], o);
+    for (int s = t; s < dp.splits; s += Threads) {
+        weight[s] = dp.lse_part[s * stride + row];
+        top = fmaxf(top, weight[s]);
     }
+    top = block_reduce<Threads>(top, [](float x, float y) { return fmaxf(x, y); }, scratch);
+    const float base = top == neg_inf() ? 0.f : top;
+    float sum = 0.f;
+    for (int s = t; s < dp.splits; s += Threads) {
+        weight[s] = __expf(weight[s] - base);
+        sum += weight[s];
+    }
+    const float total = block_reduce<Threads>(sum, [](float x, float y) { return x + y; }, scratch);
+
+    const int group = t / Lanes, col = t % Lanes * 4;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (col < p.headdim) {
+#pragma unroll 4
+        for (int s = group; s < dp.splits; s += DECODE_MERGE_GROUPS) {
+            const float w = weight[s];
+            const float4 x = *reinterpret_cast<const float4*>(dp.o_part + (s * stride + row) * HeadDim + col);
+            o = make_float4(fmaf(w, x.x, o.x), fmaf(w, x.y, o.y), fmaf(w, x.z, o.z), fmaf(w, x.w, o.w));
+        }
+    }
+    *reinterpret_cast<float4*>(&part[group][col]) = o;
+    __syncthreads();
     const bool empty = total == 0.f;
-    if (col < p.headdim)
-        ElemTraits<Elem>::store(row_ptr<u16>(p.o, b, h, q) + col, empty ? 0.f : o / total);
-    if (col == 0) static_cast<float*>(p.lse)[row] = empty ? neg_inf() : base + logf(total);
+    if (t < Lanes && col < p.headdim) {
+        u16* out = row_ptr<u16>(p.o, b, h, q) + col;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float x = 0.f;
+#pragma unroll
+            for (int g = 0; g < DECODE_MERGE_GROUPS; ++g) x += part[g][col + j];
+            ElemTraits<Elem>::store(out + j, empty ? 0.f : x / total);
+        }
+    }
+    if (t == 0) static_cast<float*>(p.lse)[row] = empty ? neg_inf() : base + logf(total);
 }
 
 // The call's new keys and values (p.q: k, p.o: v, (batch, new_keys, nheads_k, headdim)) into the

@@ -704,8 +704,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
                 spec.user_mods)
 
 
-# cuda/decode.cu: four warps, 16-key slices, splits of whole 64-key steps.
-DECODE_THREADS, DECODE_KEYS = 128, 64
+# cuda/decode.cu: four warps, 16-key slices, splits of whole 64-key steps, at most 128 of them;
+# the merge kernel's threads: 8 groups of a quarter of the head dim.
+DECODE_THREADS, DECODE_KEYS, DECODE_MAX_SPLITS, DECODE_MERGE_GROUPS = 128, 64, 128, 8
 DECODE_PARAMS = np.dtype({"names": ["base", "o_part", "lse_part", "splits", "split_keys", "row_chunks"],
                           "formats": [FWD_PARAMS, np.uint64, np.uint64, np.int32, np.int32, np.int32],
                           "offsets": [0] + [_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + o for o in (0, 8, 16, 20, 24)],
@@ -728,21 +729,25 @@ def decode_supported(spec, q, k_cache, v_cache, k=None, v=None):
 
 def decode_splits(blocks, max_keys, slots, requested=0):
     """Splits of each entry's keys: ``requested``, or the fewest whose blocks fill the GPU's
-    ``slots`` (SMs x blocks per SM) in waves at least 85% as well as the best count up to 128
-    does (each split at least one 64-key step; counts that give the same keys per split as a
-    smaller one skipped). Published split-KV heuristics choose the same way."""
+    ``slots`` (SMs x blocks per SM) in waves at least 95% full, else the count that fills them
+    best (each split at least one 64-key step; counts that give the same keys per split as a
+    smaller one skipped). Measured on the H200 at batch 1: 29 splits (232 of 264 slots) ran
+    4-5% slower than 32 (256), 16 (one wave of one block per SM) as fast as 32 for contiguous
+    caches but 10% slower for paged ones (benchmarks/NOTES.md). At most
+    DECODE_MAX_SPLITS either way (the merge kernel's shared memory)."""
     steps = max(1, _config.cdiv(max_keys, DECODE_KEYS))
+    most = min(steps, DECODE_MAX_SPLITS)
     if requested:
-        return min(requested, steps)
+        return min(requested, most)
     if blocks >= 0.8 * slots:
         return 1
     def efficiency(n):
         waves = blocks * n / slots
         return waves / np.ceil(waves)
-    counts = [n for n in range(1, min(128, steps) + 1)
+    counts = [n for n in range(1, most + 1)
               if n == 1 or _config.cdiv(steps, n) != _config.cdiv(steps, n - 1)]
-    best = max(efficiency(n) for n in counts)
-    return next(n for n in counts if efficiency(n) >= 0.85 * best)
+    full = [n for n in counts if efficiency(n) >= 0.95]
+    return full[0] if full else max(counts, key=efficiency)
 
 
 def kvcache_append(k_cache, v_cache, k, v, layout):
@@ -785,7 +790,8 @@ def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num
     _launch("decode.cu", template_name("flash_decode_kernel", elem, hd, variant), (splits, hk * chunks, b),
             DECODE_THREADS, smem, p[()])
     if splits > 1:
-        _launch("decode.cu", template_name("flash_decode_merge_kernel", elem, hd), (sq, h, b), hd, 0, p[()])
+        _launch("decode.cu", template_name("flash_decode_merge_kernel", elem, hd), (sq, h, b),
+                DECODE_MERGE_GROUPS * hd // 4, 0, p[()])
 
 
 def dq_buffer(spec, block_mask, deterministic, q, k, v, out, dout, dq, dk, dv, packed=None):

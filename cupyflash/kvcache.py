@@ -39,7 +39,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
         corner: query ``i`` sees key ``j <= i + cache_seqlens[b] + seqlen_new - seqlen_q``.
     num_splits : int
         Split each entry's keys over this many thread blocks, merged by their lse (split-KV,
-        for few long sequences); 0 picks it from the SM count and the lengths.
+        for few long sequences), at most 128 (as FlashAttention; a larger count runs 128);
+        0 picks it from the SM count and the lengths.
 
     Returns
     -------

@@ -96,7 +96,7 @@ def test_cupy_capture_replays_a_packed_batch_on_new_inputs():
     rng = np.random.default_rng(41)
 
     def draw():
-        return [cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.bfloat16)
+        return [cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(gpu_checks.DTYPES["bf16"])
                 for s in ((total, h, d), (total, hk, d), (total, hk, d), (total, h, d))]
     q, k, v, dout = draw()
     kw = dict(causal=True)

@@ -103,6 +103,16 @@ def test_page_size_must_be_a_multiple_of_16():
                                         block_table=np.zeros((1, 2), np.int32))
 
 
+def test_decode_splits_requested_capped_and_chosen():
+    from cupyflash import _launch
+    assert _launch.decode_splits(8, 10 ** 6, 264, requested=1000) == _launch.DECODE_MAX_SPLITS
+    assert _launch.decode_splits(8, 100, 264, requested=5) == 2     # two 64-key steps
+    assert _launch.decode_splits(512, 8192, 264) == 1               # the batch fills the GPU
+    for keys in (1024, 8192, 32768, 131072, 10 ** 6):
+        n = _launch.decode_splits(8, keys, 264)
+        assert 1 <= n <= _launch.DECODE_MAX_SPLITS and 8 * n <= 264, (keys, n)
+
+
 # --- GPU ------------------------------------------------------------------------------------
 
 cp = None
@@ -152,6 +162,14 @@ def test_gpu_decode(dtype, paged, page_size, num_splits, request):
     the capacity, the splits' counts from one to more than the keys' steps."""
     run_gpu(dtype, 4, 1, 8, 2, 128, paged, page_size or 16, 1024, [0, 1, 700, 1023], 1, request,
             num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [32, 256])
+def test_gpu_decode_most_splits(d, request):
+    """num_splits past the cap runs DECODE_MAX_SPLITS splits: the merge's lse pass then takes
+    more than one split per thread at head dim 32 (64 threads)."""
+    run_gpu("bf16", 1, 1, 4, 1, d, False, 0, 8300, [8199], 1, request, num_splits=1000)
 
 
 @pytest.mark.gpu
