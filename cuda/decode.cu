@@ -95,15 +95,21 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
     const int sk = seq.seqlen_k();
 
     // Slice t of the warp (the block's slice warp + 4 t) into stage t % Stages. Lane r < 16
-    // finds key row r's K and V rows (a page lookup in a paged cache; null past the entry's
-    // keys, whose pages may not exist: zeros are copied); then the 32 lanes copy 16-byte chunks
-    // in row order, each instruction 512 consecutive bytes of whole rows.
+    // finds key row r's K and V rows (null past the entry's keys, whose pages may not exist:
+    // zeros are copied); then the 32 lanes copy 16-byte chunks in row order, each instruction
+    // 512 consecutive bytes of whole rows. A paged cache's page of the lane's key is looked up
+    // one fetch ahead (`page`): its load then runs during a slice's math rather than in front
+    // of the copies (page 16 ran 5-6% below a contiguous cache looked up in place, 3% with this).
+    auto key_of = [&](int t) { return first + (warp + DECODE_WARPS * t) * DECODE_SLICE + lane % DECODE_SLICE; };
+    auto page_of = [&](int t) { return t < mine && key_of(t) < sk ? seq.k_page(key_of(t)) : 0; };
+    int page = page_of(0);
     auto fetch = [&](int t) {
         if (t < mine) {
-            const int key = first + (warp + DECODE_WARPS * t) * DECODE_SLICE + lane % DECODE_SLICE;
+            const int key = key_of(t);
             const bool in = key < sk;
-            const u16* k_mine = in ? seq.template k_row<const u16>(p.k, hk, key) : nullptr;
-            const u16* v_mine = in ? seq.template k_row<const u16>(p.v, hk, key) : nullptr;
+            const u16* k_mine = in ? seq.template k_row_at<const u16>(p.k, page, hk, key) : nullptr;
+            const u16* v_mine = in ? seq.template k_row_at<const u16>(p.v, page, hk, key) : nullptr;
+            page = page_of(t + 1);
             u16* stage = ring + (t % Stages) * 2 * DECODE_SLICE * LD;
 #pragma unroll
             for (int i = lane; i < DECODE_SLICE * DT; i += 32) {

@@ -189,14 +189,22 @@ struct CacheSeqInfo {
         return row_ptr<T>(t, b, h, row);
     }
     // Key row `row` of the cache: in a page (the page's index is the tensor's batch index).
+    // k_page looks the page up (the entry itself in a contiguous cache), k_row_at finds the row
+    // there: apart, a kernel can issue the table's load ahead of the copy that needs it.
+    __device__ __forceinline__ int k_page(index_t row) const {
+        if constexpr (Paged) {
+            return p.cache.block_table[static_cast<index_t>(b) * p.cache.pages_per_seq + row / p.cache.page_size];
+        } else {
+            return b;
+        }
+    }
+    template <typename T>
+    __device__ __forceinline__ T* k_row_at(const TensorRef& t, int page, int h, index_t row) const {
+        return row_ptr<T>(t, page, h, Paged ? row % p.cache.page_size : row);
+    }
     template <typename T>
     __device__ __forceinline__ T* k_row(const TensorRef& t, int h, index_t row) const {
-        if constexpr (Paged) {
-            const int page = p.cache.block_table[static_cast<index_t>(b) * p.cache.pages_per_seq + row / p.cache.page_size];
-            return row_ptr<T>(t, page, h, row % p.cache.page_size);
-        } else {
-            return row_ptr<T>(t, b, h, row);
-        }
+        return k_row_at<T>(t, k_page(row), h, row);
     }
     __device__ __forceinline__ index_t stat(int h, int row) const {
         return (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + row;
