@@ -1,0 +1,344 @@
+"""Context parallelism: ring attention over ranks that each hold a shard of the sequence.
+
+Each rank holds its shard of q, k and v (batch, seqlen_local, heads, headdim). The key/value
+shards travel around the ring (rank r sends to r + 1 and receives from r - 1) while each rank
+attends its queries to the shard in hand; the partial results are merged by their lse
+(``merge_attention``'s rule, in float32). The backward passes the key/value shards around
+the same way, with their dK/dV accumulators (float32) travelling beside them, and ends with
+each accumulator back at its owner.
+
+Layouts (``layout``): ``"zigzag"`` (the default) cuts the sequence into 2W equal chunks and
+gives rank r chunks r and 2W-1-r, so that under a causal mask every rank does the same work
+at every step; ``"contiguous"`` gives rank r chunk r of W (a plain ring: under a causal mask
+rank r idles while it holds a later shard). ``shard`` and ``unshard`` cut and join a full
+sequence the same way.
+
+Communication goes through an engine the caller already runs, behind one small adapter each
+(``group``): a ``torch.distributed`` process group (NCCL; ``batch_isend_irecv``), a
+``cupy.cuda.nccl.NcclCommunicator``, or ``LocalRing(size).member(rank)``: the ranks as threads
+of one process, for tests and for trying the API on one device or on NumPy arrays. Anything
+with ``rank``, ``size`` and ``start(sends, recvs) -> pending`` (``pending.wait()``) also works.
+On a GPU the transfers run on a side stream and overlap the attention of the shard in hand;
+``pending.wait()`` orders the caller's stream after them.
+"""
+import threading
+
+import numpy as np
+
+from . import _arrays
+from .api import flash_attention, flash_attention_backward
+from .merge import _merge
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# --- layouts ---------------------------------------------------------------------------------
+
+def chunks_of(rank, world, layout="zigzag"):
+    """The global chunk indices rank ``rank`` of ``world`` holds, in sequence order: (r, 2W-1-r)
+    of 2W chunks (zigzag) or (r,) of W (contiguous)."""
+    _check_layout(layout)
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def shard(x, rank, world, *, axis=1, layout="zigzag"):
+    """Rank ``rank``'s shard of the full sequence ``x`` (sequence along ``axis``): a new
+    array, contiguous. The sequence length must divide into 2 * world (zigzag) or world
+    (contiguous) equal chunks."""
+    _check_layout(layout)
+    n = (2 if layout == "zigzag" else 1) * world
+    if x.shape[axis] % n:
+        raise ValueError(f"x: sequence length {x.shape[axis]} (axis {axis}) must be a multiple of "
+                         f"{n} for the {layout} layout over {world} ranks")
+    c = x.shape[axis] // n
+    xp = _xp(x)
+    parts = [xp.take(x, xp.arange(i * c, (i + 1) * c), axis=axis) for i in chunks_of(rank, world, layout)]
+    return xp.ascontiguousarray(xp.concatenate(parts, axis=axis))
+
+
+def unshard(shards, *, axis=1, layout="zigzag"):
+    """The full sequence from every rank's shard (``shards[r]`` from rank r), inverse of
+    ``shard``."""
+    _check_layout(layout)
+    world = len(shards)
+    per = 2 if layout == "zigzag" else 1
+    c = shards[0].shape[axis] // per
+    xp = _xp(shards[0])
+    placed = [None] * (per * world)
+    for r, s in enumerate(shards):
+        for j, i in enumerate(chunks_of(r, world, layout)):
+            placed[i] = xp.take(s, xp.arange(j * c, (j + 1) * c), axis=axis)
+    return xp.concatenate(placed, axis=axis)
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+
+
+def _xp(x):
+    return np if isinstance(x, np.ndarray) else _arrays._cupy()
+
+
+# --- rings -----------------------------------------------------------------------------------
+
+class LocalRing:
+    """``size`` ranks as threads of one process: ``member(rank)`` is rank ``rank``'s group.
+    Each exchange copies the buffers (NumPy, or CuPy on one device) from the previous rank's
+    thread, between two barriers; nothing overlaps. For tests, and for trying ring attention
+    without several GPUs."""
+
+    def __init__(self, size):
+        if size < 1:
+            raise ValueError(f"size must be at least 1, got {size}")
+        self.size = size
+        self._sent = [None] * size
+        self._barrier = threading.Barrier(size)
+
+    def member(self, rank):
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank must be in [0, {self.size}), got {rank}")
+        return _LocalMember(self, rank)
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+class _LocalMember:
+    def __init__(self, ring, rank):
+        self.ring, self.rank, self.size = ring, rank, ring.size
+
+    def start(self, sends, recvs):
+        xp = _xp(sends[0])
+        if xp is not np:
+            xp.cuda.get_current_stream().synchronize()
+        self.ring._sent[self.rank] = sends
+        self.ring._barrier.wait()
+        for dst, src in zip(recvs, self.ring._sent[(self.rank - 1) % self.size]):
+            xp.copyto(dst, src)
+        if xp is not np:
+            xp.cuda.get_current_stream().synchronize()
+        self.ring._barrier.wait()
+        return _Done()
+
+
+class _StreamPending:
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self):
+        _arrays._cupy().cuda.get_current_stream().wait_event(self.event)
+
+
+class _NcclRing:
+    """A ``cupy.cuda.nccl.NcclCommunicator``: sends and receives as bytes in one NCCL group
+    on a side stream that first waits for the caller's stream."""
+
+    def __init__(self, comm):
+        cp = _arrays._cupy()
+        self.comm, self.rank, self.size = comm, comm.rank_id(), comm.size()
+        self.side = cp.cuda.Stream(non_blocking=True)
+
+    def start(self, sends, recvs):
+        cp = _arrays._cupy()
+        from cupy.cuda import nccl
+        self.side.wait_event(cp.cuda.get_current_stream().record())
+        nccl.groupStart()
+        for a in sends:
+            self.comm.send(a.data.ptr, a.nbytes, nccl.NCCL_UINT8, (self.rank + 1) % self.size, self.side.ptr)
+        for a in recvs:
+            self.comm.recv(a.data.ptr, a.nbytes, nccl.NCCL_UINT8, (self.rank - 1) % self.size, self.side.ptr)
+        nccl.groupEnd()
+        return _StreamPending(self.side.record())
+
+
+class _TorchRing:
+    """A ``torch.distributed`` process group: ``batch_isend_irecv`` of byte views, issued with a
+    side stream current (NCCL's own stream waits for it), waited on the caller's stream."""
+
+    def __init__(self, group):
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist, self.group = torch, dist, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        # The peers as global ranks (P2POp's peer), from their ranks in the group.
+        self.next, self.prev = ((r if group is None else dist.get_global_rank(group, r))
+                                for r in ((self.rank + 1) % self.size, (self.rank - 1) % self.size))
+        self.side = torch.cuda.Stream()
+
+    def start(self, sends, recvs):
+        torch, dist = self.torch, self.dist
+        cp = _arrays._cupy()
+        caller = torch.cuda.ExternalStream(cp.cuda.get_current_stream().ptr)
+        self.side.wait_stream(caller)
+        ops = ([dist.P2POp(dist.isend, self._bytes(a), self.next, self.group) for a in sends]
+               + [dist.P2POp(dist.irecv, self._bytes(a), self.prev, self.group) for a in recvs])
+        with torch.cuda.stream(self.side):
+            requests = dist.batch_isend_irecv(ops)
+        return _TorchPending(torch, requests, caller)
+
+    def _bytes(self, a):
+        return self.torch.from_dlpack(a.view(np.uint8).ravel())
+
+
+class _TorchPending:
+    def __init__(self, torch, requests, caller):
+        self.torch, self.requests, self.caller = torch, requests, caller
+
+    def wait(self):
+        with self.torch.cuda.stream(self.caller):
+            for r in self.requests:
+                r.wait()
+
+
+def as_ring(group):
+    """The ring adapter of ``group``: a ``torch.distributed`` process group (None: the default
+    group), a ``cupy.cuda.nccl.NcclCommunicator``, or an object with ``rank``, ``size`` and
+    ``start`` (a ``LocalRing`` member) as it is."""
+    if all(hasattr(group, a) for a in ("rank", "size", "start")):
+        return group
+    if type(group).__name__ == "NcclCommunicator":
+        return _NcclRing(group)
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and (group is None or isinstance(group, dist.ProcessGroup)):
+        return _TorchRing(group)
+    raise TypeError(f"group must be a torch.distributed ProcessGroup, a cupy.cuda.nccl."
+                    f"NcclCommunicator or a LocalRing member, got {type(group).__name__}")
+
+
+# --- ring attention --------------------------------------------------------------------------
+
+def _plan(q_chunks, kv_chunks, c, causal):
+    """The calls of one step: (first q row, last q row + 1, keys, causal) with the keys a prefix
+    of the shard in hand. A q chunk sees the held chunks before it whole and its own chunk up to
+    the diagonal (one causal call, aligned bottom-right, over the prefix that ends with it);
+    neighbouring q chunks that see the same prefix whole share one call."""
+    calls = []
+    for j, qc in enumerate(q_chunks):
+        if causal:
+            seen = [i for i, kc in enumerate(kv_chunks) if kc <= qc]
+            diagonal = qc in kv_chunks
+        else:
+            seen, diagonal = list(range(len(kv_chunks))), False
+        if not seen:
+            continue
+        assert seen == list(range(len(seen))), "held chunks are in sequence order"
+        call = [j * c, (j + 1) * c, len(seen) * c, diagonal]
+        if calls and not diagonal and not calls[-1][3] and calls[-1][1] == call[0] and calls[-1][2] == call[2]:
+            calls[-1][1] = call[1]
+        else:
+            calls.append(call)
+    return [tuple(x) for x in calls]
+
+
+def _setup(names, arrays, group, layout):
+    _check_layout(layout)
+    converted, caller, xp = _arrays.as_backend(arrays, names)
+    got = dict(zip(names, converted))
+    q, k = got["q"], got["k"]
+    for n in ("q", "k", "v"):
+        if got[n].ndim != 4:
+            raise ValueError(f"{n} must be (batch, seqlen_local, heads, headdim), got shape {tuple(got[n].shape)}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must be shards of the same sequence: q has {q.shape[1]} rows, k {k.shape[1]}")
+    per = 2 if layout == "zigzag" else 1
+    if q.shape[1] % per:
+        raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so the local "
+                         f"seqlen must be even, got {q.shape[1]} (pad the sequence to a multiple "
+                         f"of 2 * world, or use layout='contiguous')")
+    ring = as_ring(group)
+    return got, caller, xp, ring, q.shape[1] // per
+
+
+def _ring_buffers(xp, first, world):
+    """The shards in hand at each step: the caller's arrays first, then two buffers taking turns
+    (one is received into while the other is read), never the caller's arrays."""
+    first = [xp.ascontiguousarray(a) for a in first]    # sent as whole buffers
+    spare = [[xp.empty_like(a) for a in first] for _ in range(min(2, world - 1))]
+    return [first] + [spare[s % len(spare)] for s in range(world - 1)]
+
+
+def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, softcap=0.0,
+                   layout="zigzag", return_lse=False):
+    """``flash_attention`` over a sequence sharded across the ranks of ``group``.
+
+    Parameters
+    ----------
+    q, k, v : this rank's shards (batch, seqlen_local, heads, headdim), k and v with nheads_k
+        dividing q's heads (GQA); every rank's shards of one shape (``shard`` cuts them).
+    group : a ``torch.distributed`` process group, a ``cupy.cuda.nccl.NcclCommunicator`` or a
+        ``LocalRing`` member (``as_ring``).
+    causal, softmax_scale, softcap : as for ``flash_attention``, over global positions.
+    layout : "zigzag" (default; seqlen_local even) or "contiguous", as ``shard`` cut them.
+
+    Returns
+    -------
+    out (this rank's shard, q's dtype), or ``(out, lse)`` with lse (batch, heads, seqlen_local)
+    float32 (float64 for float64 inputs).
+    """
+    got, caller, xp, ring, c = _setup(["q", "k", "v"], [q, k, v], group, layout)
+    q, k, v = got["q"], got["k"], got["v"]
+    acc = xp.float64 if q.dtype == np.float64 else xp.float32
+    with _arrays.launch_context(caller):
+        out = xp.zeros(q.shape, acc)
+        lse = xp.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
+        mine = chunks_of(ring.rank, ring.size, layout)
+        held = _ring_buffers(xp, [k, v], ring.size)
+        for step in range(ring.size):
+            pending = ring.start(held[step], held[step + 1]) if step + 1 < ring.size else None
+            kh, vh = held[step]
+            src = (ring.rank - step) % ring.size
+            for q0, q1, keys, diagonal in _plan(mine, chunks_of(src, ring.size, layout), c, causal):
+                o, l = flash_attention(q[:, q0:q1], kh[:, :keys], vh[:, :keys], causal=diagonal,
+                                       softmax_scale=softmax_scale, softcap=softcap, return_lse=True)
+                out[:, q0:q1], lse[:, :, q0:q1] = _merge(xp, [out[:, q0:q1], o], [lse[:, :, q0:q1], l])
+            if pending is not None:
+                pending.wait()
+        out = _arrays.to_caller(out.astype(q.dtype), caller)
+        return (out, _arrays.to_caller(lse, caller)) if return_lse else out
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, softmax_scale=None,
+                            softcap=0.0, layout="zigzag"):
+    """Gradients of ``ring_attention``: (dq, dk, dv) of this rank's shards, in their dtypes.
+    ``out`` and ``lse`` are this rank's results of the forward (``return_lse=True``); the other
+    arguments as there."""
+    names = ["dout", "q", "k", "v", "out", "lse"]
+    got, caller, xp, ring, c = _setup(names, [dout, q, k, v, out, lse], group, layout)
+    dout, q, k, v, out, lse = (got[n] for n in names)
+    acc = xp.float64 if q.dtype == np.float64 else xp.float32
+    with _arrays.launch_context(caller):
+        dq = xp.zeros(q.shape, acc)
+        mine = chunks_of(ring.rank, ring.size, layout)
+        held = _ring_buffers(xp, [k, v], ring.size)
+        # dK/dV of the shard in hand travel with it; the step after the last brings each home.
+        grads = [[xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)] for _ in range(min(2, ring.size))]
+        pending_grads = None
+        for step in range(ring.size):
+            pending = ring.start(held[step], held[step + 1]) if step + 1 < ring.size else None
+            kh, vh = held[step]
+            dk, dv = grads[step % len(grads)]
+            src = (ring.rank - step) % ring.size
+            parts = []
+            for q0, q1, keys, diagonal in _plan(mine, chunks_of(src, ring.size, layout), c, causal):
+                parts.append((q0, q1, keys) + tuple(flash_attention_backward(
+                    dout[:, q0:q1], q[:, q0:q1], kh[:, :keys], vh[:, :keys], out[:, q0:q1], lse[:, :, q0:q1],
+                    causal=diagonal, softmax_scale=softmax_scale, softcap=softcap)))
+            if pending_grads is not None:
+                pending_grads.wait()    # this step's accumulators have arrived
+            for q0, q1, keys, gq, gk, gv in parts:
+                dq[:, q0:q1] += gq.astype(acc)
+                dk[:, :keys] += gk.astype(acc)
+                dv[:, :keys] += gv.astype(acc)
+            if ring.size > 1:
+                nxt = grads[(step + 1) % len(grads)]
+                pending_grads = ring.start([dk, dv], nxt)
+            if pending is not None:
+                pending.wait()
+        if pending_grads is not None:
+            pending_grads.wait()
+        dk, dv = grads[ring.size % len(grads)]
+        return tuple(_arrays.to_caller(g.astype(x.dtype), caller) for g, x in ((dq, q), (dk, k), (dv, v)))

@@ -1,0 +1,143 @@
+"""Ring attention (cupyflash.distributed): the ranks as threads of one process (LocalRing), on
+NumPy arrays (CI) and on one GPU, against one call over the full sequence and the float64
+reference. The NCCL adapters need two GPUs: tests/test_distributed_nccl.py."""
+import threading
+
+import numpy as np
+import pytest
+
+import cupyflash as cf
+from cupyflash import distributed as cfd
+from gpu_checks import BWD_FACTOR, DTYPES, FWD_FACTOR, Case, check_backward, check_forward, seed_of
+from reference import (assert_rule, attention_naive, attention_naive_backward, attention_ref,
+                       attention_ref_backward, random_array)
+
+
+def run_ranks(world, fn):
+    """``fn(rank, group)`` in one thread per rank of a LocalRing; the results by rank. A rank's
+    error is raised here (the others then stop at their next exchange)."""
+    ring = cfd.LocalRing(world)
+    results, errors = [None] * world, []
+
+    def body(rank):
+        try:
+            results[rank] = fn(rank, ring.member(rank))
+        except BaseException as e:  # noqa: B902 (handed to the main thread)
+            errors.append(e)
+            ring._barrier.abort()
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def ring_call(world, layout, q, k, v, dout, **kw):
+    """Forward and backward over ``world`` ranks: the full out, lse, dq, dk, dv, unsharded."""
+    def rank(r, group):
+        def sh(x):
+            return cfd.shard(x, r, world, layout=layout)
+        out, lse = cfd.ring_attention(sh(q), sh(k), sh(v), group, layout=layout, return_lse=True, **kw)
+        grads = cfd.ring_attention_backward(sh(dout), sh(q), sh(k), sh(v), out, lse, group, layout=layout, **kw)
+        return (out, lse) + tuple(grads)
+    results = run_ranks(world, rank)
+    return [cfd.unshard([r[i] for r in results], axis=2 if i == 1 else 1, layout=layout) for i in range(5)]
+
+
+def inputs(xp, dtype, batch, seqlen, h, hk, d, seed):
+    shapes = [(batch, seqlen, h, d), (batch, seqlen, hk, d), (batch, seqlen, hk, d), (batch, seqlen, h, d)]
+    return [random_array(xp, s, dtype, seed + i) for i, s in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_ring_equals_one_call(world, layout, causal):
+    """float64: the ring's out, lse and gradients are those of one call over the whole sequence
+    to rounding (chunks of 5 rows, GQA 4 / 2)."""
+    per = 2 if layout == "zigzag" else 1
+    q, k, v, dout = inputs(np, np.float64, 2, world * per * 5, 4, 2, 16, 10 * world + causal)
+    out, lse = cf.flash_attention(q, k, v, causal=causal, return_lse=True)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=causal)
+    got = ring_call(world, layout, q, k, v, dout, causal=causal)
+    for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, (out, lse) + tuple(grads)):
+        assert g.dtype == ref.dtype and g.shape == ref.shape, name
+        np.testing.assert_allclose(g, ref, rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def test_numpy_ring_softcap_and_scale():
+    q, k, v, dout = inputs(np, np.float64, 1, 3 * 2 * 7, 2, 1, 8, 5)
+    kw = dict(causal=True, softcap=2.0, softmax_scale=0.3)
+    out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, **kw)
+    got = ring_call(3, "zigzag", q, k, v, dout, **kw)
+    for g, ref in zip(got, (out, lse) + tuple(grads)):
+        np.testing.assert_allclose(g, ref, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_ring_bf16_under_the_rule(causal):
+    """bf16 through the NumPy path: out, lse and gradients against the float64 reference by the
+    tolerance rule (the parts are rounded to bf16 and added up in float32)."""
+    q, k, v, dout = inputs(np, DTYPES["bf16"], 1, 4 * 2 * 9, 4, 2, 32, 21 + causal)
+    out, lse, dq, dk, dv = ring_call(4, "zigzag", q, k, v, dout, causal=causal)
+    scale = 32 ** -0.5
+    out_ref, lse_ref = attention_ref(q, k, v, scale, causal)
+    out_naive, lse_naive = attention_naive(q, k, v, scale, causal, "bfloat16")
+    assert_rule("out", out, out_ref, out_naive, FWD_FACTOR)
+    assert_rule("lse", lse, lse_ref, lse_naive, FWD_FACTOR)
+    refs = attention_ref_backward(dout, q, k, v, scale, causal)
+    naives = attention_naive_backward(dout, q, k, v, scale, causal, "bfloat16")
+    magnitude = max(float(np.abs(r).max()) for r in refs)
+    for name, g, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, naives):
+        assert_rule(name, g, ref, naive, BWD_FACTOR, magnitude)
+
+
+def test_shard_unshard_round_trip():
+    x = np.arange(2 * 24 * 3).reshape(2, 24, 3)
+    for layout, world in (("zigzag", 3), ("contiguous", 4), ("zigzag", 1)):
+        shards = [cfd.shard(x, r, world, layout=layout) for r in range(world)]
+        assert all(s.flags.c_contiguous for s in shards)
+        np.testing.assert_array_equal(cfd.unshard(shards, layout=layout), x)
+    # zigzag over 3 ranks: 6 chunks of 4 rows; rank 0 holds chunks 0 and 5.
+    np.testing.assert_array_equal(cfd.shard(x, 0, 3)[0, :, 0], x[0, list(range(4)) + list(range(20, 24)), 0])
+
+
+def test_bad_inputs():
+    q = np.zeros((1, 6, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="x: sequence length 6 .* multiple of 4"):
+        cfd.shard(q, 0, 2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cfd.shard(q, 0, 2, layout="striped")
+    member = cfd.LocalRing(1).member(0)
+    odd = np.zeros((1, 5, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="q: the zigzag layout .* seqlen must be even, got 5"):
+        cfd.ring_attention(odd, odd, odd, member)
+    with pytest.raises(ValueError, match="q and k must be shards of the same sequence"):
+        cfd.ring_attention(q, q[:, :4], q[:, :4], member)
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+        cfd.ring_attention(q, q, q, object())
+    with pytest.raises(ValueError, match="rank must be in"):
+        cfd.LocalRing(2).member(2)
+
+
+# --- GPU: the ranks as threads on one device --------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,layout,causal,dtype", [
+    (2, "zigzag", True, "bf16"), (4, "zigzag", True, "fp16"), (3, "zigzag", False, "bf16"),
+    (2, "contiguous", True, "bf16")])
+def test_gpu_ring_under_the_rule(world, layout, causal, dtype, request):
+    """The GPU kernels (whatever family the device runs) over a ring of threads: out, lse and
+    gradients against the float64 reference, chunks of 97 rows (odd tails in every tile)."""
+    import cupy as cp
+    per = 2 if layout == "zigzag" else 1
+    seqlen = world * per * 97
+    case = Case(dtype, seqlen, seqlen, 128, causal, batch=2, nheads=4, nheads_k=2)
+    q, k, v, dout = inputs(cp, DTYPES[dtype], 2, seqlen, 4, 2, 128, seed_of(request))
+    out, lse, dq, dk, dv = ring_call(world, layout, q, k, v, dout, causal=causal)
+    check_forward(case, q, k, v, out, lse, 128 ** -0.5)
+    check_backward(case, dout, q, k, v, (dq, dk, dv), 128 ** -0.5, out=out, lse=lse)
