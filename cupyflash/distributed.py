@@ -21,6 +21,7 @@ with ``rank``, ``size`` and ``start(sends, recvs) -> pending`` (``pending.wait()
 On a GPU the transfers run on a side stream and overlap the attention of the shard in hand;
 ``pending.wait()`` orders the caller's stream after them.
 """
+import sys
 import threading
 
 import numpy as np
@@ -42,18 +43,16 @@ def chunks_of(rank, world, layout="zigzag"):
 
 
 def shard(x, rank, world, *, axis=1, layout="zigzag"):
-    """Rank ``rank``'s shard of the full sequence ``x`` (sequence along ``axis``): a new
-    array, contiguous. The sequence length must divide into 2 * world (zigzag) or world
-    (contiguous) equal chunks."""
+    """Rank ``rank``'s shard of the full sequence ``x`` (a NumPy or CuPy array or a torch
+    tensor, the sequence along ``axis``): a new contiguous array of the same kind. The
+    sequence length must divide into 2 * world (zigzag) or world (contiguous) equal chunks."""
     _check_layout(layout)
     n = (2 if layout == "zigzag" else 1) * world
     if x.shape[axis] % n:
         raise ValueError(f"x: sequence length {x.shape[axis]} (axis {axis}) must be a multiple of "
                          f"{n} for the {layout} layout over {world} ranks")
     c = x.shape[axis] // n
-    xp = _xp(x)
-    parts = [xp.take(x, xp.arange(i * c, (i + 1) * c), axis=axis) for i in chunks_of(rank, world, layout)]
-    return xp.ascontiguousarray(xp.concatenate(parts, axis=axis))
+    return _join([_rows(x, axis, i * c, c) for i in chunks_of(rank, world, layout)], axis)
 
 
 def unshard(shards, *, axis=1, layout="zigzag"):
@@ -63,12 +62,22 @@ def unshard(shards, *, axis=1, layout="zigzag"):
     world = len(shards)
     per = 2 if layout == "zigzag" else 1
     c = shards[0].shape[axis] // per
-    xp = _xp(shards[0])
     placed = [None] * (per * world)
     for r, s in enumerate(shards):
         for j, i in enumerate(chunks_of(r, world, layout)):
-            placed[i] = xp.take(s, xp.arange(j * c, (j + 1) * c), axis=axis)
-    return xp.concatenate(placed, axis=axis)
+            placed[i] = _rows(s, axis, j * c, c)
+    return _join(placed, axis)
+
+
+def _rows(x, axis, start, n):
+    return x[(slice(None),) * axis + (slice(start, start + n),)]
+
+
+def _join(parts, axis):
+    """Concatenated along ``axis`` into a new contiguous array of the parts' kind."""
+    if _arrays.framework(parts[0]) == "torch":
+        return sys.modules["torch"].cat(parts, dim=axis)
+    return _xp(parts[0]).concatenate(parts, axis=axis)
 
 
 def _check_layout(layout):
@@ -86,7 +95,9 @@ class LocalRing:
     """``size`` ranks as threads of one process: ``member(rank)`` is rank ``rank``'s group.
     Each exchange copies the buffers (NumPy, or CuPy on one device) from the previous rank's
     thread, between two barriers; nothing overlaps. For tests, and for trying ring attention
-    without several GPUs."""
+    without several GPUs. Not under PyTorch autograd with more than one rank on a device:
+    PyTorch runs a device's backward passes on one engine thread, so the ranks' backwards
+    would wait for each other there."""
 
     def __init__(self, size):
         if size < 1:
@@ -201,7 +212,6 @@ def as_ring(group):
         return group
     if type(group).__name__ == "NcclCommunicator":
         return _NcclRing(group)
-    import sys
     dist = sys.modules.get("torch.distributed")
     if dist is not None and (group is None or isinstance(group, dist.ProcessGroup)):
         return _TorchRing(group)

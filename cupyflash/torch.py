@@ -78,7 +78,7 @@ if not hasattr(torch.library, "custom_op"):   # pragma: no cover - depends on th
 
 from . import _validate, api, masks, mods
 
-__all__ = ["flash_attention", "hf_attention", "register_hf_attention"]
+__all__ = ["flash_attention", "ring_attention", "hf_attention", "register_hf_attention"]
 
 # --- Python objects passed to the operators by handle (see the module docstring) -------------
 
@@ -281,6 +281,42 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
                               dropout_p, seed, offset, block_mask, score_mod, mask_mod)
     out, _ = torch.ops.cupyflash.flash_attention(q, k, v, *options)
     return out
+
+
+# --- ring attention (context parallelism) ---------------------------------------------------
+
+class _RingAttention(torch.autograd.Function):
+    """cupyflash.distributed's ring attention and its backward: out and lse of this rank's
+    shard, q, k, v, out and lse saved (the backward passes the shards around the ring again)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, options):
+        from . import distributed
+        out, lse = distributed.ring_attention(q, k, v, group, return_lse=True, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.options = group, options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        from . import distributed
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = distributed.ring_attention_backward(dout, q, k, v, out, lse, ctx.group, **ctx.options)
+        return dq, dk, dv, None, None
+
+
+def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, softcap=0.0,
+                   layout="zigzag", return_lse=False):
+    """``cupyflash.distributed.ring_attention`` for PyTorch tensors, with autograd: this rank's
+    shards of q, k and v (batch, seqlen_local, nheads, headdim; ``cupyflash.distributed.shard``
+    cuts them) on its CUDA device; ``group`` a ``torch.distributed`` process group (None: the
+    default group), or a ``cupyflash.distributed.LocalRing`` member. ``out.backward(...)``
+    gives the gradients of this rank's shards (the backward runs the ring again, so every rank
+    must call it). Eager only: ``torch.compile`` breaks the graph here."""
+    options = dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap, layout=layout)
+    out, lse = _RingAttention.apply(q, k, v, group, options)
+    return (out, lse) if return_lse else out
 
 
 # --- Hugging Face transformers' attention interface -----------------------------------------

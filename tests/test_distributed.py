@@ -96,6 +96,11 @@ def test_numpy_ring_bf16_under_the_rule(causal):
         assert_rule(name, g, ref, naive, BWD_FACTOR, magnitude)
 
 
+def test_readme_launch_examples_are_the_two_engines():
+    from test_distributed_nccl import launch_blocks
+    assert sorted(launch_blocks()) == ["ring_cupy", "ring_torch"]
+
+
 def test_shard_unshard_round_trip():
     x = np.arange(2 * 24 * 3).reshape(2, 24, 3)
     for layout, world in (("zigzag", 3), ("contiguous", 4), ("zigzag", 1)):
@@ -141,3 +146,35 @@ def test_gpu_ring_under_the_rule(world, layout, causal, dtype, request):
     out, lse, dq, dk, dv = ring_call(world, layout, q, k, v, dout, causal=causal)
     check_forward(case, q, k, v, out, lse, 128 ** -0.5)
     check_backward(case, dout, q, k, v, (dq, dk, dv), 128 ** -0.5, out=out, lse=lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_gpu_torch_ring_autograd(world, request):
+    """cupyflash.torch.ring_attention over a ring of threads: out, lse and (one rank) the
+    autograd gradients, unsharded, against the float64 reference. Two ranks as threads of one
+    process check the forward only: PyTorch runs every backward pass of a device on one
+    engine thread, so the second rank's backward would wait behind the first rank's, which
+    waits for it at the exchange (two processes, as in the README's torchrun example, do not
+    share that thread: tests/test_distributed_nccl.py)."""
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+    import cupyflash.torch as cft
+    seqlen = world * 2 * 97
+    case = Case("fp16", seqlen, seqlen, 64, True, batch=1, nheads=4, nheads_k=1)
+    q, k, v, dout = inputs(cp, DTYPES["fp16"], 1, seqlen, 4, 1, 64, seed_of(request))
+    tq, tk, tv, tdout = (torch.from_dlpack(x) for x in (q, k, v, dout))
+
+    def rank(r, group):
+        qs, ks, vs = (cfd.shard(x, r, world).requires_grad_() for x in (tq, tk, tv))
+        out, lse = cft.ring_attention(qs, ks, vs, group, causal=True, return_lse=True)
+        if world == 1:
+            out.backward(cfd.shard(tdout, r, world))
+            return out.detach(), lse, qs.grad, ks.grad, vs.grad
+        return out.detach(), lse
+    results = run_ranks(world, rank)
+    got = [cp.from_dlpack(cfd.unshard([x[i] for x in results], axis=2 if i == 1 else 1))
+           for i in range(len(results[0]))]
+    check_forward(case, q, k, v, got[0], got[1], 64 ** -0.5)
+    if world == 1:
+        check_backward(case, dout, q, k, v, got[2:], 64 ** -0.5, out=got[0], lse=got[1])

@@ -736,7 +736,7 @@ def _readme_blocks():
 # The README's examples of the variant keywords and of the user mods run on NumPy arrays, like
 # its NumPy example; the user mods' CuPy example on the GPU.
 HOST_EXAMPLES = ("numpy", "window_size", "softcap", "alibi_slopes", "dropout", "user_mods",
-                 "varlen", "kvcache")
+                 "varlen", "kvcache", "ring_local")
 GPU_EXAMPLES = ("cupy", "jax", "torch", "cuda_graphs", "user_mods_cupy", "hf_transformers")
 
 
