@@ -886,21 +886,26 @@ class PackedCase:
 
 
 @st.composite
-def packed_cases(draw, *, max_batch=5, max_seqlen=130, max_work=2**21):
+def packed_cases(draw, *, max_batch=5, max_seqlen=130, max_work=2**21, min_rows=1, min_headdim=1):
     """Up to max_batch sequences, lengths 0..max_seqlen (tile edges, 0 and 1 favoured), keys
-    as many as queries or drawn apart, GQA, head dims 1..64, causal, a window or softcap (each
-    alone or none), under ``sum(sq * sk) * nheads * d <= max_work``."""
+    as many as queries or drawn apart, GQA, head dims min_headdim..64, causal, a window or
+    softcap (each alone or none), under ``sum(sq * sk) * nheads * d <= max_work``; at least
+    ``min_rows`` query rows and key rows in all (the last sequence made longer where needed:
+    the fp16/bf16 rule needs rows, tests/test_fuzz_gpu.py)."""
     batch = draw(st.integers(1, max_batch))
     length = _sizes(SPECIAL_PACKED_LENGTHS, 0, max_seqlen)
-    # At least one row in all: a packed array of no rows is refused (test_varlen).
-    lens_q = tuple(draw(st.lists(length, min_size=batch, max_size=batch))) or (1,)
-    lens_q = lens_q if any(lens_q) else (1,) + lens_q[1:]
-    lens_k = lens_q if draw(st.booleans()) else tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
-    lens_k = lens_k if any(lens_k) else (1,) + lens_k[1:]
+
+    def lengths(drawn):
+        # At least one row in all: a packed array of no rows is refused (test_varlen).
+        drawn = drawn if any(drawn) else (1,) + drawn[1:]
+        short = max(0, min_rows - sum(drawn))
+        return drawn[:-1] + (drawn[-1] + short,)
+    lens_q = lengths(tuple(draw(st.lists(length, min_size=batch, max_size=batch))))
+    lens_k = lens_q if draw(st.booleans()) else lengths(tuple(draw(st.lists(length, min_size=batch, max_size=batch))))
     nheads_k = draw(st.integers(1, 2))
     nheads = nheads_k * draw(st.integers(1, 3))
     pairs = max(sum(a * b for a, b in zip(lens_q, lens_k)), 1)
-    d = draw(head_dims(max(1, min(64, max_work // (pairs * nheads)))))
+    d = draw(head_dims(max(min_headdim, min(64, max_work // (pairs * nheads))), min_headdim))
     extra = draw(st.sampled_from(("none", "window", "softcap")))
     window = draw(st.tuples(st.integers(-1, 40), st.integers(-1, 40))) if extra == "window" else (-1, -1)
     return PackedCase(lens_q, lens_k, nheads, nheads_k, d, draw(st.booleans()), window,
@@ -958,10 +963,12 @@ class CacheCase:
 
 
 @st.composite
-def cache_cases(draw, *, max_batch=3, max_capacity=100, max_new=4, max_q=4):
+def cache_cases(draw, *, max_batch=3, max_capacity=100, max_new=4, max_q=4, min_rows=1):
     """Contiguous caches and paged ones (pages of 16, 32 or 48 rows), lengths from 0 to the
     capacity left after the append (both ends favoured), appends of 0..max_new keys, one query
-    (decoding) or a few (chunked prefill), GQA, head dims 1..64, causal, a window or softcap."""
+    (decoding) or a few (chunked prefill), GQA, head dims 1..64, causal, a window or softcap;
+    at least ``min_rows`` query rows (batch x seqlen_q x nheads) in all, by more query heads
+    per KV head where needed."""
     new = draw(st.integers(0, max_new))
     capacity = draw(st.integers(max(new, 1), max_capacity))
     room = capacity - new
@@ -970,7 +977,9 @@ def cache_cases(draw, *, max_batch=3, max_capacity=100, max_new=4, max_q=4):
     seqlens = tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
     nheads_k = draw(st.integers(1, 2))
     extra = draw(st.sampled_from(("none", "window", "softcap")))
-    return CacheCase(seqlens, capacity, new, draw(st.integers(1, max_q)), nheads_k * draw(st.integers(1, 4)),
+    seqlen_q = draw(st.integers(1, max_q))
+    group = max(draw(st.integers(1, 4)), -(-min_rows // (batch * seqlen_q * nheads_k)))
+    return CacheCase(seqlens, capacity, new, seqlen_q, nheads_k * group,
                      nheads_k, draw(head_dims(64)), draw(st.sampled_from((None, 16, 32, 48))),
                      draw(st.booleans()),
                      draw(st.tuples(st.integers(-1, 30), st.integers(-1, 30))) if extra == "window" else (-1, -1),

@@ -16,9 +16,14 @@ sparse                 450       fp16/bf16 block-sparse forward + backward (eith
                                  softcap, ALiBi, dropout
 plain                  300       fp32/fp64 kernels, dense or block-sparse, fwd + bwd;
                                  variants (a window only dense), user mods
+packed                 150       fp16/bf16 packed batches (flash_attention_varlen), fwd
+                                 + bwd; causal, a window or softcap
+kv_cache               150       fp16/bf16 KV caches (flash_attention_with_kvcache):
+                                 appends, contiguous and paged, decoding and chunked
+                                 prefill; causal, a window or softcap
 =====================  ========  ====================================================
 
-2,000 examples in all; ``CUPYFLASH_FUZZ_EXAMPLES=N`` runs N in all, in the same shares. At
+2,300 examples in all; ``CUPYFLASH_FUZZ_EXAMPLES=N`` runs N in all, in the same shares. At
 the end pytest prints "fuzz examples run per family (GPU): ..." with the counts of examples
 that ran and passed.
 
@@ -88,11 +93,20 @@ falsifying ``Case(...)``, whose ``seed`` fixes the inputs (and ``mask.seed`` the
     PYTHONPATH=.:tests python3 -c "from strategies import *; import test_fuzz_gpu as t; \
 t.check_case(Case(...))"
 
-(``t.check_forward_case`` for a failure of ``fwd_half``).
+(``t.check_forward_case`` for a failure of ``fwd_half``; ``t.check_packed(("bf16",
+PackedCase(...)))`` and ``t.check_cache(("bf16", CacheCase(...)))`` for the last two).
+
+The packed and kv_cache families (strategies.py's ``packed_cases`` and ``cache_cases``, the
+NumPy fuzz's cases at least HALF_BWD_MIN_ROWS query and key rows, head dims from
+HALF_BWD_MIN_HEADDIM, and HALF_FWD_MIN_ROWS query rows) check each call's rows against the
+references of its sequences or entries stitched together: the rule runs over the whole call.
+150 examples each ran in 43 s on an H200 (kernels partly in the carried cache).
 """
 import functools
 import os
 import random
+
+import numpy as np
 
 import pytest
 
@@ -105,25 +119,33 @@ from hypothesis import strategies as st  # noqa: E402
 import cupyflash as cf  # noqa: E402
 
 try:
-    from gpu_checks import check_backward, check_forward  # noqa: E402
+    from gpu_checks import (BWD_FACTOR, DTYPES, FWD_FACTOR, assert_lse,  # noqa: E402
+                            check_backward, check_forward)
+    from reference import (assert_rule, attention_naive, attention_naive_backward,  # noqa: E402
+                           attention_ref, attention_ref_backward)
     from strategies import (FUZZ_PROFILE, HALF, MASK_BLOCK_SIZES, PLAIN,  # noqa: E402
                             Dropout, ExampleCounts, alibis_on, assert_zero_where_unseen,
-                            block_masks, cases, dropouts_on, layouts, maybe_block_masks,
-                            no_mask, no_mods, no_window, shapes, softcaps_on, user_mods,
-                            windows)
+                            block_masks, cache_cases, cases, dropouts_on, layouts,
+                            maybe_block_masks, no_mask, no_mods, no_window, packed_cases,
+                            shapes, softcaps_on, user_mods, windows)
 except ImportError:
-    from tests.gpu_checks import check_backward, check_forward  # noqa: E402
+    from tests.gpu_checks import (BWD_FACTOR, DTYPES, FWD_FACTOR, assert_lse,  # noqa: E402
+                                  check_backward, check_forward)
+    from tests.reference import (assert_rule, attention_naive,  # noqa: E402
+                                 attention_naive_backward, attention_ref, attention_ref_backward)
     from tests.strategies import (FUZZ_PROFILE, HALF, MASK_BLOCK_SIZES,  # noqa: E402
                                   PLAIN, Dropout, ExampleCounts, alibis_on,
-                                  assert_zero_where_unseen, block_masks, cases, dropouts_on,
-                                  layouts, maybe_block_masks, no_mask, no_mods, no_window,
-                                  shapes, softcaps_on, user_mods, windows)
+                                  assert_zero_where_unseen, block_masks, cache_cases, cases,
+                                  dropouts_on, layouts, maybe_block_masks, no_mask, no_mods,
+                                  no_window, packed_cases, shapes, softcaps_on, user_mods,
+                                  windows)
 
 pytestmark = pytest.mark.gpu
 
-# Shares of the examples per family, in 40ths (see the table above).
-SHARES = {"fwd_half": 10, "bwd_atomic": 9, "bwd_deterministic": 6, "sparse": 9, "plain": 6}
-TOTAL_EXAMPLES = int(os.environ.get("CUPYFLASH_FUZZ_EXAMPLES", "2000"))
+# Shares of the examples per family, in 46ths (see the table above).
+SHARES = {"fwd_half": 10, "bwd_atomic": 9, "bwd_deterministic": 6, "sparse": 9, "plain": 6,
+          "packed": 3, "kv_cache": 3}
+TOTAL_EXAMPLES = int(os.environ.get("CUPYFLASH_FUZZ_EXAMPLES", "2300"))
 EXAMPLES = {family: max(1, -(-TOTAL_EXAMPLES * share // sum(SHARES.values())))
             for family, share in SHARES.items()}
 # A fresh seed per run, so that every run tries other cases; the summary line prints it and
@@ -330,3 +352,107 @@ def test_block_sparse_half(case):
                      shape=shapes(**GPU_SHAPES), mods=plain_mods))
 def test_plain_fp32_fp64(case):
     _run("plain", check_case, case)
+
+
+# --- packed batches and KV caches --------------------------------------------------------------
+# The fp16/bf16 rule compares largest errors over a whole call, so the references of the
+# sequences (entries) are stitched into the call's layout and the rule runs once over all of
+# its rows: a short sequence alone would be a handful of rows (see the note above).
+
+def check_packed(args):
+    """flash_attention_varlen and its backward in fp16/bf16 against the float64 reference of
+    each sequence, stitched: out within FWD_FACTOR and dq, dk, dv within BWD_FACTOR of a naive
+    same-dtype implementation's error over the whole call; lse -inf exactly on the rows of
+    sequences without keys; out, lse of those and dk, dv of keys without queries exactly 0."""
+    dtype_name, case = args
+    dtype = DTYPES[dtype_name]
+    q, k, v, dout = (x.astype(dtype) for x in case.inputs(cp))
+    cq, ck = case.offsets()
+    kw = case.keywords()
+    out, lse = cf.flash_attention_varlen(q, k, v, cp.asarray(cq), cp.asarray(ck), return_lse=True, **kw)
+    grads = cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cp.asarray(cq), cp.asarray(ck), **kw)
+    scale = case.d ** -0.5
+    refs = {n: cp.zeros(x.shape, cp.float64) for n, x in (("out", q), ("dq", q), ("dk", k), ("dv", k))}
+    naives = {n: cp.zeros_like(r) for n, r in refs.items()}
+    ref_lse = cp.full(lse.shape, -cp.inf)
+    for b in range(len(case.lens_q)):
+        rq, rk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if rq.start == rq.stop or rk.start == rk.stop:
+            continue   # zeros and -inf, as the kernels must give
+        one = (q[None, rq], k[None, rk], v[None, rk])
+        o, l = attention_ref(*one, scale, case.causal, **case.variant())
+        refs["out"][rq], ref_lse[:, rq] = o[0], l[0]
+        naives["out"][rq] = attention_naive(*one, scale, case.causal, dtype, **case.variant())[0][0]
+        for name, r, n in zip(("dq", "dk", "dv"),
+                              attention_ref_backward(dout[None, rq], *one, scale, case.causal, **case.variant()),
+                              attention_naive_backward(dout[None, rq], *one, scale, case.causal, dtype,
+                                                       **case.variant())):
+            at = rq if name == "dq" else rk
+            refs[name][at], naives[name][at] = r[0], n[0]
+    assert_rule("out", out, refs["out"], naives["out"], FWD_FACTOR)
+    assert_lse(lse, ref_lse, dtype_name)
+    magnitude = max(float(cp.abs(refs[n]).max()) for n in ("dq", "dk", "dv"))
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert_rule(name, g, refs[name], naives[name], BWD_FACTOR, magnitude)
+    for b in range(len(case.lens_q)):
+        rq, rk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if rk.start == rk.stop:
+            assert not bool(out[rq].astype(cp.float32).any()), f"sequence {b}: rows without keys"
+        if rq.start == rq.stop:
+            assert not bool(grads[1][rk].astype(cp.float32).any() or grads[2][rk].astype(cp.float32).any()), \
+                f"sequence {b}: keys without queries got gradients"
+
+
+def check_cache(args):
+    """flash_attention_with_kvcache in fp16/bf16: the new keys land at each entry's length
+    bit for bit and no other cache row changes; out within FWD_FACTOR of a naive same-dtype
+    implementation's error over the whole call against each entry's float64 reference over its
+    keys, stitched; lse -inf exactly on rows without keys."""
+    dtype_name, case = args
+    dtype = DTYPES[dtype_name]
+    q, k_cache, v_cache, k, v, table = case.inputs(cp)
+    q, k_cache, v_cache = (x.astype(dtype) for x in (q, k_cache, v_cache))
+    k, v = (None if x is None else x.astype(dtype) for x in (k, v))
+    before = k_cache.copy(), v_cache.copy()
+    seqlens = np.asarray(case.seqlens, np.int32)
+    out, lse = cf.flash_attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cp.asarray(seqlens),
+                                               block_table=table, return_lse=True, **case.keywords())
+    host_table = None if table is None else cp.asnumpy(table)
+    ref_out, naive_out = cp.zeros(q.shape, cp.float64), cp.zeros(q.shape, cp.float64)
+    ref_lse = cp.full(lse.shape, -cp.inf)
+    untouched = np.ones(k_cache.shape[:2], bool)
+    for b in range(case.batch):
+        n = int(seqlens[b]) + case.new
+        j = np.arange(n)
+        at = (np.full(n, b), j) if host_table is None else (host_table[b, j // case.page_size], j % case.page_size)
+        at = tuple(cp.asarray(x) for x in at)
+        untouched[tuple(cp.asnumpy(x)[int(seqlens[b]):] for x in at)] = False
+        if case.new:
+            new = slice(int(seqlens[b]), n)
+            for name, cache, x in (("k", k_cache, k), ("v", v_cache, v)):
+                assert bool((cache[at[0][new], at[1][new]].view(cp.uint16) == x[b].view(cp.uint16)).all()), \
+                    f"entry {b}: appended {name}"
+        if n == 0:
+            continue
+        one = (q[b:b + 1], k_cache[at][None], v_cache[at][None])
+        o, l = attention_ref(*one, case.d ** -0.5, case.causal, **case.variant())
+        ref_out[b], ref_lse[b] = o[0], l[0]
+        naive_out[b] = attention_naive(*one, case.d ** -0.5, case.causal, dtype, **case.variant())[0][0]
+    assert_rule("out", out, ref_out, naive_out, FWD_FACTOR)
+    assert_lse(lse, ref_lse, dtype_name)
+    mask = cp.asarray(untouched)
+    for name, now, was in (("k_cache", k_cache, before[0]), ("v_cache", v_cache, before[1])):
+        assert bool((now[mask].view(cp.uint16) == was[mask].view(cp.uint16)).all()), \
+            f"{name}: a row outside the appends changed"
+
+
+@fuzz("packed")
+@given(st.tuples(st.sampled_from(HALF), packed_cases(min_rows=HALF_BWD_MIN_ROWS, min_headdim=HALF_BWD_MIN_HEADDIM)))
+def test_packed_half(args):
+    _run("packed", check_packed, args)
+
+
+@fuzz("kv_cache")
+@given(st.tuples(st.sampled_from(HALF), cache_cases(min_rows=HALF_FWD_MIN_ROWS)))
+def test_kv_cache_half(args):
+    _run("kv_cache", check_cache, args)
