@@ -3,7 +3,7 @@
 Each rank holds its shard of q, k and v (batch, seqlen_local, heads, headdim). The key/value
 shards travel around the ring (rank r sends to r + 1 and receives from r - 1) while each rank
 attends its queries to the shard in hand; the partial results are merged by their lse
-(``merge_attention``'s rule, in float32). The backward passes the key/value shards around
+(``merge_attention``'s rule, in float32, in place). The backward passes the key/value shards around
 the same way, with their dK/dV accumulators (float32) travelling beside them, and ends with
 each accumulator back at its owner.
 
@@ -28,7 +28,6 @@ import numpy as np
 
 from . import _arrays
 from .api import flash_attention, flash_attention_backward
-from .merge import _merge
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -244,6 +243,23 @@ def _plan(q_chunks, kv_chunks, c, causal):
     return [tuple(x) for x in calls]
 
 
+def _accumulate(xp, out, lse, o, lse_o):
+    """``out`` and ``lse`` (float views, updated in place): the attention over their keys and a
+    disjoint set's whose result is ``o``, ``lse_o`` (merge_attention's rule, two parts at a
+    time, with one temporary of o's size). Rows no key reached in either part stay 0, -inf; a
+    NaN stays NaN."""
+    total = xp.logaddexp(lse, lse_o)
+    base = xp.where(xp.isneginf(total), 0, total)
+
+    def weight(x):   # (batch, heads, rows) -> (batch, rows, heads, 1), as out's rows
+        return xp.exp(x - base).transpose(0, 2, 1)[..., None]
+    part = o.astype(out.dtype)
+    part *= weight(lse_o)
+    out *= weight(lse)
+    out += part
+    lse[...] = total
+
+
 def _setup(names, arrays, group, layout):
     _check_layout(layout)
     converted, caller, xp = _arrays.as_backend(arrays, names)
@@ -293,8 +309,8 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, softcap=
     q, k, v = got["q"], got["k"], got["v"]
     acc = xp.float64 if q.dtype == np.float64 else xp.float32
     with _arrays.launch_context(caller):
-        out = xp.zeros(q.shape, acc)
-        lse = xp.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
+        out = xp.empty(q.shape, acc)
+        lse = xp.empty((q.shape[0], q.shape[2], q.shape[1]), acc)
         mine = chunks_of(ring.rank, ring.size, layout)
         held = _ring_buffers(xp, [k, v], ring.size)
         for step in range(ring.size):
@@ -304,7 +320,10 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, softcap=
             for q0, q1, keys, diagonal in _plan(mine, chunks_of(src, ring.size, layout), c, causal):
                 o, l = flash_attention(q[:, q0:q1], kh[:, :keys], vh[:, :keys], causal=diagonal,
                                        softmax_scale=softmax_scale, softcap=softcap, return_lse=True)
-                out[:, q0:q1], lse[:, :, q0:q1] = _merge(xp, [out[:, q0:q1], o], [lse[:, :, q0:q1], l])
+                if step == 0:   # each q chunk sees its own chunk: the first step covers every row once
+                    out[:, q0:q1], lse[:, :, q0:q1] = o, l
+                else:
+                    _accumulate(xp, out[:, q0:q1], lse[:, :, q0:q1], o, l)
             if pending is not None:
                 pending.wait()
         out = _arrays.to_caller(out.astype(q.dtype), caller)
