@@ -224,7 +224,11 @@ def _plan(q_chunks, kv_chunks, c, causal):
     """The calls of one step: (first q row, last q row + 1, keys, causal) with the keys a prefix
     of the shard in hand. A q chunk sees the held chunks before it whole and its own chunk up to
     the diagonal (one causal call, aligned bottom-right, over the prefix that ends with it);
-    neighbouring q chunks that see the same prefix whole share one call."""
+    neighbouring q chunks that see the same prefix whole share one call. Holding its own chunks
+    (the first step), a rank makes one causal call over its whole shard: the chunks are in
+    sequence order on both sides, so local order is global order."""
+    if causal and tuple(q_chunks) == tuple(kv_chunks):
+        return [(0, len(q_chunks) * c, len(kv_chunks) * c, True)]
     calls = []
     for j, qc in enumerate(q_chunks):
         if causal:
