@@ -277,8 +277,8 @@ def _setup(names, arrays, group, layout):
     per = 2 if layout == "zigzag" else 1
     if q.shape[1] % per:
         raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so the local "
-                         f"seqlen must be even, got {q.shape[1]} (pad the sequence to a multiple "
-                         f"of 2 * world, or use layout='contiguous')")
+                         f"seqlen must be even, got {q.shape[1]} (shard cuts sequences whose "
+                         f"length is a multiple of 2 * world; or use layout='contiguous')")
     ring = as_ring(group)
     return got, caller, xp, ring, q.shape[1] // per
 
