@@ -96,6 +96,28 @@ def test_numpy_ring_bf16_under_the_rule(causal):
         assert_rule(name, g, ref, naive, BWD_FACTOR, magnitude)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_zigzag_steps_are_balanced(world):
+    """Causal zigzag: at every step every rank's calls cover the same number of visible
+    (query, key) pairs (2c^2 + c at the first step, its own shard's causal triangle; 2c^2
+    after), and over all steps the pairs are exactly the causal triangle of the sequence."""
+    c = 6
+    total = 0
+    for step in range(world):
+        work = set()
+        for rank in range(world):
+            src = (rank - step) % world
+            pairs = 0
+            for q0, q1, keys, diagonal in cfd._plan(cfd.chunks_of(rank, world), cfd.chunks_of(src, world), c, True):
+                rows = q1 - q0
+                pairs += rows * keys - (rows * (rows - 1) // 2 if diagonal else 0)
+            work.add(pairs)
+            total += pairs
+        assert work == {2 * c * c + (c if step == 0 else 0)}, f"step {step}: work per rank {sorted(work)}"
+    n = 2 * world * c
+    assert total == n * (n + 1) // 2
+
+
 def test_readme_launch_examples_are_the_two_engines():
     from test_distributed_nccl import launch_blocks
     assert sorted(launch_blocks()) == ["ring_cupy", "ring_torch"]
