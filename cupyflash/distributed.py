@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _config
 from .api import flash_attention, flash_attention_backward
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -34,19 +34,23 @@ LAYOUTS = ("zigzag", "contiguous")
 
 # --- layouts ---------------------------------------------------------------------------------
 
+def _per_rank(layout):
+    """Chunks each rank holds: two (zigzag) or one (contiguous)."""
+    _check_layout(layout)
+    return 2 if layout == "zigzag" else 1
+
+
 def chunks_of(rank, world, layout="zigzag"):
     """The global chunk indices rank ``rank`` of ``world`` holds, in sequence order: (r, 2W-1-r)
     of 2W chunks (zigzag) or (r,) of W (contiguous)."""
-    _check_layout(layout)
-    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+    return (rank, 2 * world - 1 - rank) if _per_rank(layout) == 2 else (rank,)
 
 
 def shard(x, rank, world, *, axis=1, layout="zigzag"):
     """Rank ``rank``'s shard of the full sequence ``x`` (a NumPy or CuPy array or a torch
     tensor, the sequence along ``axis``): a new contiguous array of the same kind. The
     sequence length must divide into 2 * world (zigzag) or world (contiguous) equal chunks."""
-    _check_layout(layout)
-    n = (2 if layout == "zigzag" else 1) * world
+    n = _per_rank(layout) * world
     if x.shape[axis] % n:
         raise ValueError(f"x: sequence length {x.shape[axis]} (axis {axis}) must be a multiple of "
                          f"{n} for the {layout} layout over {world} ranks")
@@ -57,9 +61,8 @@ def shard(x, rank, world, *, axis=1, layout="zigzag"):
 def unshard(shards, *, axis=1, layout="zigzag"):
     """The full sequence from every rank's shard (``shards[r]`` from rank r), inverse of
     ``shard``."""
-    _check_layout(layout)
     world = len(shards)
-    per = 2 if layout == "zigzag" else 1
+    per = _per_rank(layout)
     c = shards[0].shape[axis] // per
     placed = [None] * (per * world)
     for r, s in enumerate(shards):
@@ -203,19 +206,31 @@ class _TorchPending:
                 r.wait()
 
 
+# Adapters by id() of their group, with the group itself (so that the id stays its own): one
+# side stream per group for the process, not one per call. Not for None (torch's default
+# group), which a re-initialized process group changes.
+_adapters = {}
+
+
 def as_ring(group):
     """The ring adapter of ``group``: a ``torch.distributed`` process group (None: the default
     group), a ``cupy.cuda.nccl.NcclCommunicator``, or an object with ``rank``, ``size`` and
     ``start`` (a ``LocalRing`` member) as it is."""
     if all(hasattr(group, a) for a in ("rank", "size", "start")):
         return group
-    if type(group).__name__ == "NcclCommunicator":
-        return _NcclRing(group)
+    if id(group) in _adapters:
+        return _adapters[id(group)][1]
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and (group is None or isinstance(group, dist.ProcessGroup)):
-        return _TorchRing(group)
-    raise TypeError(f"group must be a torch.distributed ProcessGroup, a cupy.cuda.nccl."
-                    f"NcclCommunicator or a LocalRing member, got {type(group).__name__}")
+    if type(group).__name__ == "NcclCommunicator":
+        adapter = _NcclRing(group)
+    elif dist is not None and (group is None or isinstance(group, dist.ProcessGroup)):
+        adapter = _TorchRing(group)
+    else:
+        raise TypeError(f"group must be a torch.distributed ProcessGroup, a cupy.cuda.nccl."
+                        f"NcclCommunicator or a LocalRing member, got {type(group).__name__}")
+    if group is not None:
+        _adapters[id(group)] = (group, adapter)
+    return adapter
 
 
 # --- ring attention --------------------------------------------------------------------------
@@ -265,7 +280,7 @@ def _accumulate(xp, out, lse, o, lse_o):
 
 
 def _setup(names, arrays, group, layout):
-    _check_layout(layout)
+    per = _per_rank(layout)
     converted, caller, xp = _arrays.as_backend(arrays, names)
     got = dict(zip(names, converted))
     q, k = got["q"], got["k"]
@@ -274,7 +289,6 @@ def _setup(names, arrays, group, layout):
             raise ValueError(f"{n} must be (batch, seqlen_local, heads, headdim), got shape {tuple(got[n].shape)}")
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must be shards of the same sequence: q has {q.shape[1]} rows, k {k.shape[1]}")
-    per = 2 if layout == "zigzag" else 1
     if q.shape[1] % per:
         raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so the local "
                          f"seqlen must be even, got {q.shape[1]} (shard cuts sequences whose "
@@ -311,7 +325,7 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, softcap=
     """
     got, caller, xp, ring, c = _setup(["q", "k", "v"], [q, k, v], group, layout)
     q, k, v = got["q"], got["k"], got["v"]
-    acc = xp.float64 if q.dtype == np.float64 else xp.float32
+    acc = _config.lse_dtype(q.dtype)   # the accumulators' dtype is lse's
     with _arrays.launch_context(caller):
         out = xp.empty(q.shape, acc)
         lse = xp.empty((q.shape[0], q.shape[2], q.shape[1]), acc)
@@ -342,7 +356,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sof
     names = ["dout", "q", "k", "v", "out", "lse"]
     got, caller, xp, ring, c = _setup(names, [dout, q, k, v, out, lse], group, layout)
     dout, q, k, v, out, lse = (got[n] for n in names)
-    acc = xp.float64 if q.dtype == np.float64 else xp.float32
+    acc = _config.lse_dtype(q.dtype)   # the accumulators' dtype is lse's
     with _arrays.launch_context(caller):
         dq = xp.zeros(q.shape, acc)
         mine = chunks_of(ring.rank, ring.size, layout)

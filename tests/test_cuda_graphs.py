@@ -52,6 +52,19 @@ def _capture(stream, fn):
     return results, graph
 
 
+def _captured_poisoned(step):
+    """step() once eagerly (it compiles, and copies a mask's lists, on the null stream), then
+    captured on a stream of its own, its results filled with NaN: (stream, results, graph)."""
+    step()
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        results, graph = _capture(stream, step)
+        for r in results:
+            r.fill(np.nan)
+    return stream, results, graph
+
+
 @pytest.mark.parametrize("with_mask", [False, True], ids=["dense", "block_mask"])
 def test_cupy_capture_replays_forward_and_backward_on_new_inputs(with_mask):
     q, k, v, dout = gpu_checks.make_inputs(CASE, 11)
@@ -63,13 +76,8 @@ def test_cupy_capture_replays_forward_and_backward_on_new_inputs(with_mask):
         out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
         return (out, lse) + cf.flash_attention_backward(dout, q, k, v, out, lse, **kw)
 
-    step()                  # compiles, and copies the mask's lists, on the null stream
-    cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream, results, graph = _captured_poisoned(step)
     with stream:
-        results, graph = _capture(stream, step)
-        for r in results:
-            r.fill(np.nan)
         _fill((q, k, v, dout), 12)
         stream.synchronize()
         # Arrays of the sizes of the call's scratch (dq's fp32 buffer, the row statistics),
@@ -106,13 +114,8 @@ def test_cupy_capture_replays_a_packed_batch_on_new_inputs():
         return (out, lse) + cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, max(lens),
                                                                max(lens), **kw)
 
-    step()
-    cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream, results, graph = _captured_poisoned(step)
     with stream:
-        results, graph = _capture(stream, step)
-        for r in results:
-            r.fill(np.nan)
         for a, f in zip((q, k, v, dout), draw()):
             a[...] = f
         stream.synchronize()
