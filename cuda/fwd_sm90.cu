@@ -183,18 +183,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                                sw128_desc(sK + (buf * Halves + c) * SubKV, 32 * kk), c + kk > 0);
         wgmma_commit();
     };
-    // O += P V: V's rows are the keys (MN-major B), 16 keys = 2048 bytes of a sub-tile.
+    // O += P V: V's rows are the keys (MN-major B), 16 keys = 2048 bytes of a sub-tile. One
+    // product spans every column (N = HeadDim, its 64-column atoms SubKV apart): the tensor
+    // cores read P's registers once per k16 step, not once per 64 columns.
     auto issue_pv = [&](int g) {
         const int buf = g % Stages;
         mbar_wait(&v_full[buf], (g / Stages) & 1);
         // After the wait's loop: a fence the compiler inserted there itself serialized the products.
         wgmma_fence();
 #pragma unroll
-        for (int c = 0; c < Halves; ++c)
-#pragma unroll
-            for (int kk = 0; kk < Bc / 16; ++kk)
-                wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(acc[0][8 * c]), pa[kk],
-                               sw128_desc(sV + (buf * Halves + c) * SubKV, 2048 * kk), true);
+        for (int kk = 0; kk < Bc / 16; ++kk)
+            wgmma_rs<Elem>(reinterpret_cast<float(&)[4 * DT]>(acc), pa[kk],
+                           sw128_desc(sV + buf * Halves * SubKV, 2048 * kk, 2 * SubKV), true);
         wgmma_commit();
     };
     // P as A fragments: keys 16kk.. are the n8 tiles 2kk and 2kk + 1.

@@ -140,12 +140,14 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 
 // The descriptor of a 128-byte-swizzled tile at `tile` (1024-byte aligned) plus `offset` bytes
 // (K-major: a k16 step of 16-bit data is 32 bytes inside the rows; MN-major: 16 rows, 2048
-// bytes). 1024 bytes from one 8-row group to the next; the leading offset is unused by
-// operands one swizzle atom wide (every n64 / k16 operand here), so it is the minimum, 16.
-__device__ __forceinline__ unsigned long long sw128_desc(const void* tile, unsigned offset) {
+// bytes). 1024 bytes from one 8-row group to the next. The leading offset is used only by
+// MN-major operands wider than one swizzle atom (N > 64): `atoms_apart` bytes from one atom's 64
+// columns to the next's. Operands one atom wide ignore it (16, the minimum).
+__device__ __forceinline__ unsigned long long sw128_desc(const void* tile, unsigned offset, unsigned atoms_apart = 16) {
     const unsigned long long start = (smem_addr(tile) + offset) >> 4;
-    constexpr unsigned long long lead = 16 >> 4, stride = 1024 >> 4, swizzle128 = 1;
-    return (start & 0x3FFF) | lead << 16 | stride << 32 | swizzle128 << 62;
+    const unsigned long long lead = atoms_apart >> 4;
+    constexpr unsigned long long stride = 1024 >> 4, swizzle128 = 1;
+    return (start & 0x3FFF) | (lead & 0x3FFF) << 16 | stride << 32 | swizzle128 << 62;
 }
 
 // Orders this thread's register and shared-memory accesses before the next wgmma reads them.
@@ -162,6 +164,8 @@ __device__ __forceinline__ void wgmma_wait() {
 #define CUPYFLASH_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define CUPYFLASH_WGMMA_D40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define CUPYFLASH_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define CUPYFLASH_WGMMA_D96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+#define CUPYFLASH_WGMMA_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 #define CUPYFLASH_WGMMA_OUT16 \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
@@ -190,6 +194,42 @@ __device__ __forceinline__ void wgmma_wait() {
     "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
     "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+#define CUPYFLASH_WGMMA_OUT96 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+    "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+    "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+    "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
+    "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+    "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+    "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
+    "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
+    "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
+    "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
+    "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), \
+    "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+#define CUPYFLASH_WGMMA_OUT128 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+    "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+    "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+    "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
+    "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+    "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+    "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
+    "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
+    "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
+    "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
+    "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), \
+    "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), \
+    "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), \
+    "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), \
+    "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), \
+    "+f"(d[126]), "+f"(d[127])
+
 // After wgmma_wait: the accumulators count as written here, so that the compiler neither
 // reads them earlier nor holds them across the asynchronous multiply.
 template <int N>
@@ -207,12 +247,13 @@ template <typename Elem, int D>
 __device__ __forceinline__ void wgmma_ss(float (&d)[D], unsigned long long a, unsigned long long b,
                                          bool accumulate);
 
-// d[32] (+)= A B with A (64 x 16) in registers, in mma.sync's A-fragment layout per warp (warp w
+// d[D] (+)= A B with A (64 x 16) in registers, in mma.sync's A-fragment layout per warp (warp w
 // holds rows 16w..16w+15: a[0] row g, columns 2t, 2t+1; a[1] row g + 8; a[2] and a[3] the same
-// rows, columns + 8; 16-bit pairs), and B (16 x 64) MN-major in shared memory (row k holds the
-// 64 N-elements of K index k: the layout the copy engine gives V), `b` its descriptor.
-template <typename Elem>
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b, bool accumulate);
+// rows, columns + 8; 16-bit pairs), and B (16 x 2D) MN-major in shared memory (row k holds the
+// N-elements of K index k: the layout the copy engine gives V, 64 columns per atom), `b` its
+// descriptor; N = 64, 128, 192 or 256 by the size of d.
+template <typename Elem, int D>
+__device__ __forceinline__ void wgmma_rs(float (&d)[D], const u32 (&a)[4], unsigned long long b, bool accumulate);
 
 // One wgmma m64nNk16 with both operands in shared memory; TRANS: the transpose flags of A and
 // B (0: K-major, 1: MN-major).
@@ -235,12 +276,25 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], unsi
                                                  bool accumulate) {                                              \
         CUPYFLASH_WGMMA_SS(N, "f16", CUPYFLASH_WGMMA_D##DN, CUPYFLASH_WGMMA_OUT##DN, A, B, ACC, TRANS);         \
     }
-#define CUPYFLASH_WGMMA_RS(TYPE)                                                                                 \
-    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %37, 0;\n\t"                                      \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUPYFLASH_WGMMA_D32            \
-                 ", {%32, %33, %34, %35}, %36, acc, 1, 1, 1;\n\t}"                                               \
-                 : CUPYFLASH_WGMMA_OUT32                                                                         \
+// One wgmma m64nNk16 with A from registers (operands A0..A3 after the DN accumulators), B
+// MN-major.
+#define CUPYFLASH_WGMMA_RS(N, TYPE, D, OUT, A0, A1, A2, A3, B, ACC)                                             \
+    asm volatile("{\n\t.reg .pred acc;\n\tsetp.ne.b32 acc, %" ACC ", 0;\n\t"                                  \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D ", {%" A0 ", %" A1      \
+                 ", %" A2 ", %" A3 "}, %" B ", acc, 1, 1, 1;\n\t}"                                              \
+                 : OUT                                                                                           \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
+#define CUPYFLASH_WGMMA_RS_PAIR(DN, N, A0, A1, A2, A3, B, ACC)                                                  \
+    template <>                                                                                                  \
+    __device__ __forceinline__ void wgmma_rs<bf16, DN>(float (&d)[DN], const u32 (&a)[4], unsigned long long b, \
+                                                       bool accumulate) {                                        \
+        CUPYFLASH_WGMMA_RS(N, "bf16", CUPYFLASH_WGMMA_D##DN, CUPYFLASH_WGMMA_OUT##DN, A0, A1, A2, A3, B, ACC);  \
+    }                                                                                                            \
+    template <>                                                                                                  \
+    __device__ __forceinline__ void wgmma_rs<fp16, DN>(float (&d)[DN], const u32 (&a)[4], unsigned long long b, \
+                                                       bool accumulate) {                                        \
+        CUPYFLASH_WGMMA_RS(N, "f16", CUPYFLASH_WGMMA_D##DN, CUPYFLASH_WGMMA_OUT##DN, A0, A1, A2, A3, B, ACC);   \
+    }
 
 CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss, 16, 32, "16", "17", "18", "0, 0")
 CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss, 32, 64, "32", "33", "34", "0, 0")
@@ -270,24 +324,23 @@ __device__ __forceinline__ void wgmma_ss_bt<fp16>(float (&d)[32], unsigned long 
     CUPYFLASH_WGMMA_SS(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34", "0, 1");
 }
 
-template <>
-__device__ __forceinline__ void wgmma_rs<bf16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
-                                               bool accumulate) {
-    CUPYFLASH_WGMMA_RS("bf16");
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<fp16>(float (&d)[32], const u32 (&a)[4], unsigned long long b,
-                                               bool accumulate) {
-    CUPYFLASH_WGMMA_RS("f16");
-}
+CUPYFLASH_WGMMA_RS_PAIR(32, 64, "32", "33", "34", "35", "36", "37")
+CUPYFLASH_WGMMA_RS_PAIR(64, 128, "64", "65", "66", "67", "68", "69")
+CUPYFLASH_WGMMA_RS_PAIR(96, 192, "96", "97", "98", "99", "100", "101")
+CUPYFLASH_WGMMA_RS_PAIR(128, 256, "128", "129", "130", "131", "132", "133")
 #undef CUPYFLASH_WGMMA_SS
 #undef CUPYFLASH_WGMMA_SS_PAIR
 #undef CUPYFLASH_WGMMA_RS
+#undef CUPYFLASH_WGMMA_RS_PAIR
 #undef CUPYFLASH_WGMMA_D16
 #undef CUPYFLASH_WGMMA_D32
 #undef CUPYFLASH_WGMMA_D40
 #undef CUPYFLASH_WGMMA_D64
+#undef CUPYFLASH_WGMMA_D96
+#undef CUPYFLASH_WGMMA_D128
 #undef CUPYFLASH_WGMMA_OUT16
 #undef CUPYFLASH_WGMMA_OUT32
 #undef CUPYFLASH_WGMMA_OUT40
 #undef CUPYFLASH_WGMMA_OUT64
+#undef CUPYFLASH_WGMMA_OUT96
+#undef CUPYFLASH_WGMMA_OUT128
