@@ -599,20 +599,19 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         for (int nt = 0; nt < NT; ++nt)
             dscores_t(st, dpt, nt, [&](int nt, int j) { return stat(nt, j).y; },
                       [&](int nt, const float (&ds)[4]) { to_tile(sdSt_s, nt, ds); });
-        // dV += P^T dO and dK += dS^T Q for the warpgroup's columns (sub-tiles 2 wg and 2 wg + 1),
-        // over the queries of half `half` of the tiles (that warpgroup's): its own half first,
-        // while the other warpgroup may still be making its half.
+        // dV += P^T dO and dK += dS^T Q for the warpgroup's columns (sub-tiles 2 wg and 2 wg + 1,
+        // one m64n128 product: P^T and dS^T read once per k16 step), over the queries of half
+        // `half` of the tiles (that warpgroup's): its own half first, while the other warpgroup
+        // may still be making its half.
         auto issue_dkdv = [&](int half) {
             wgmma_fence();
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-                for (int kk = QW / 16 * half; kk < QW / 16 * (half + 1); ++kk) {
-                    wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * hf]), sw128_desc(sPt, 32 * kk),
-                                      sw128_desc(bdO + (2 * wg + hf) * Sub, 2048 * kk), true);
-                    wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * hf]), sw128_desc(sdSt, 32 * kk),
-                                      sw128_desc(bQ + (2 * wg + hf) * Sub, 2048 * kk), true);
-                }
+            for (int kk = QW / 16 * half; kk < QW / 16 * (half + 1); ++kk) {
+                wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[4 * DT]>(dv), sw128_desc(sPt, 32 * kk),
+                                  sw128_desc(bdO + 2 * wg * Sub, 2048 * kk, 2 * Sub), true);
+                wgmma_ss_bt<Elem>(reinterpret_cast<float(&)[4 * DT]>(dk), sw128_desc(sdSt, 32 * kk),
+                                  sw128_desc(bQ + 2 * wg * Sub, 2048 * kk, 2 * Sub), true);
+            }
             wgmma_commit();
         };
         fence_proxy_async();

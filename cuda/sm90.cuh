@@ -307,22 +307,13 @@ template <typename Elem, int D>
 __device__ __forceinline__ void wgmma_ss_tt(float (&d)[D], unsigned long long a, unsigned long long b,
                                             bool accumulate);
 CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss_tt, 32, 64, "32", "33", "34", "1, 1")
-// d[32] (+)= A B with A (64 x 16) K-major in shared memory, as for wgmma_ss, and B (16 x 64)
+// d[64] (+)= A B with A (64 x 16) K-major in shared memory, as for wgmma_ss, and B (16 x 128)
 // MN-major, as for wgmma_rs: P^T dO and dS^T Q from shared memory, for a warpgroup that holds
 // neither operand in registers.
-template <typename Elem>
-__device__ __forceinline__ void wgmma_ss_bt(float (&d)[32], unsigned long long a, unsigned long long b,
+template <typename Elem, int D>
+__device__ __forceinline__ void wgmma_ss_bt(float (&d)[D], unsigned long long a, unsigned long long b,
                                             bool accumulate);
-template <>
-__device__ __forceinline__ void wgmma_ss_bt<bf16>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                  bool accumulate) {
-    CUPYFLASH_WGMMA_SS(64, "bf16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34", "0, 1");
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_bt<fp16>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                  bool accumulate) {
-    CUPYFLASH_WGMMA_SS(64, "f16", CUPYFLASH_WGMMA_D32, CUPYFLASH_WGMMA_OUT32, "32", "33", "34", "0, 1");
-}
+CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss_bt, 64, 128, "64", "65", "66", "0, 1")
 
 CUPYFLASH_WGMMA_RS_PAIR(32, 64, "32", "33", "34", "35", "36", "37")
 CUPYFLASH_WGMMA_RS_PAIR(64, 128, "64", "65", "66", "67", "68", "69")
