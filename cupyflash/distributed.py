@@ -26,7 +26,8 @@ import threading
 
 import numpy as np
 
-from . import _arrays, _config
+from . import _arrays, _config, _validate
+from ._spec import CAUSAL, NO_WINDOW, band as _band
 from .api import flash_attention, flash_attention_backward
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -235,15 +236,28 @@ def as_ring(group):
 
 # --- ring attention --------------------------------------------------------------------------
 
-def _plan(q_chunks, kv_chunks, c, causal):
-    """The calls of one step: (first q row, last q row + 1, keys, causal) with the keys a prefix
-    of the shard in hand. A q chunk sees the held chunks before it whole and its own chunk up to
-    the diagonal (one causal call, aligned bottom-right, over the prefix that ends with it);
-    neighbouring q chunks that see the same prefix whole share one call. Holding its own chunks
-    (the first step), a rank makes one causal call over its whole shard: the chunks are in
-    sequence order on both sides, so local order is global order."""
+def _plan(q_chunks, kv_chunks, c, band):
+    """The calls of one step: (first q row, last q row + 1, first key, last key + 1, window)
+    over the shards' rows, with ``band`` the (left, right) band of global positions
+    (``_spec.band``: causal folded in). Without a window: a q chunk sees the held chunks
+    before it whole and its own chunk up to the diagonal (one causal call over the prefix of
+    the held shard that ends with it); neighbouring q chunks that see the same prefix whole
+    share one call; holding its own chunks (the first step), a rank makes one causal call over
+    its whole shard (the chunks are in sequence order on both sides, so local order is global
+    order). With a window: one call per pair of chunks that the band reaches (``_pair``), a q
+    chunk's own chunk first, so that each q chunk's first call covers all its rows."""
+    if band not in (NO_WINDOW, CAUSAL):
+        calls = []
+        for j, qc in enumerate(q_chunks):
+            for i in sorted(range(len(kv_chunks)), key=lambda i: kv_chunks[i] != qc):
+                pair = _pair(qc, kv_chunks[i], c, band)
+                if pair is not None:
+                    qa, qb, a, b, window = pair
+                    calls.append((j * c + qa, j * c + qb, i * c + a, i * c + b, window))
+        return calls
+    causal = band == CAUSAL
     if causal and tuple(q_chunks) == tuple(kv_chunks):
-        return [(0, len(q_chunks) * c, len(kv_chunks) * c, True)]
+        return [(0, len(q_chunks) * c, 0, len(kv_chunks) * c, CAUSAL)]
     calls = []
     for j, qc in enumerate(q_chunks):
         if causal:
@@ -254,12 +268,33 @@ def _plan(q_chunks, kv_chunks, c, causal):
         if not seen:
             continue
         assert seen == list(range(len(seen))), "held chunks are in sequence order"
-        call = [j * c, (j + 1) * c, len(seen) * c, diagonal]
-        if calls and not diagonal and not calls[-1][3] and calls[-1][1] == call[0] and calls[-1][2] == call[2]:
+        call = [j * c, (j + 1) * c, 0, len(seen) * c, CAUSAL if diagonal else NO_WINDOW]
+        if calls and not diagonal and calls[-1][4] == NO_WINDOW and calls[-1][1] == call[0] and calls[-1][3] == call[3]:
             calls[-1][1] = call[1]
         else:
             calls.append(call)
     return [tuple(x) for x in calls]
+
+
+def _pair(qc, kc, c, band):
+    """Rows [qa, qb) of q chunk ``qc`` and keys [a, b) of kv chunk ``kc`` (chunk-local, chunks of
+    ``c`` rows) that ``band`` (left, right; -1 unbounded) lets see each other in global
+    positions, and the window of one call over them that is that band: flash_attention aligns
+    its window at the last row and key, which lie ``shift`` positions apart. None when no pair
+    is visible. Every row of the range sees a key of it, so neither side of the window goes
+    below 0; a side that hides nothing in the call is -1 (a causal or unmasked call)."""
+    left, right = band
+    d = (qc - kc) * c    # the q chunk's first position minus the kv chunk's
+    far = abs(d) + 2 * c    # beyond every distance between the two chunks: an unbounded side
+    lo, hi = (left if left >= 0 else far), (right if right >= 0 else far)
+    qa, qb = max(0, -d - hi), min(c, c - d + lo)
+    a, b = max(0, d + qa - lo), min(c, d + qb + hi)
+    if qa >= qb or a >= b:
+        return None
+    shift = d + qb - b
+    wl = -1 if left < 0 or left - shift >= b - a - 1 else left - shift
+    wr = -1 if right < 0 or right + shift >= qb - qa - 1 else right + shift
+    return qa, qb, a, b, (wl, wr)
 
 
 def _accumulate(xp, out, lse, o, lse_o):
@@ -305,8 +340,8 @@ def _ring_buffers(xp, first, world):
     return [first] + [spare[s % len(spare)] for s in range(world - 1)]
 
 
-def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, softcap=0.0,
-                   layout="zigzag", return_lse=False):
+def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                   softcap=0.0, layout="zigzag", return_lse=False):
     """``flash_attention`` over a sequence sharded across the ranks of ``group``.
 
     Parameters
@@ -315,7 +350,10 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, softcap=
         dividing q's heads (GQA); every rank's shards of one shape (``shard`` cuts them).
     group : a ``torch.distributed`` process group, a ``cupy.cuda.nccl.NcclCommunicator`` or a
         ``LocalRing`` member (``as_ring``).
-    causal, softmax_scale, softcap : as for ``flash_attention``, over global positions.
+    causal, softmax_scale, window_size, softcap : as for ``flash_attention``, over global
+        positions (the whole sequence is square: the window is centred on the diagonal). Key
+        shards that a window keeps out of reach of this rank's queries cost no call, but still
+        travel the whole ring.
     layout : "zigzag" (default; seqlen_local even) or "contiguous", as ``shard`` cut them.
 
     Returns
@@ -325,21 +363,26 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, softcap=
     """
     got, caller, xp, ring, c = _setup(["q", "k", "v"], [q, k, v], group, layout)
     q, k, v = got["q"], got["k"], got["v"]
+    band = _band(causal, _validate.check_window_size(window_size, None))
     acc = _config.lse_dtype(q.dtype)   # the accumulators' dtype is lse's
     with _arrays.launch_context(caller):
         out = xp.empty(q.shape, acc)
         lse = xp.empty((q.shape[0], q.shape[2], q.shape[1]), acc)
         mine = chunks_of(ring.rank, ring.size, layout)
         held = _ring_buffers(xp, [k, v], ring.size)
+        written = set()   # rows (first, last + 1) the first step wrote instead of merging into
         for step in range(ring.size):
             pending = ring.start(held[step], held[step + 1]) if step + 1 < ring.size else None
             kh, vh = held[step]
             src = (ring.rank - step) % ring.size
-            for q0, q1, keys, diagonal in _plan(mine, chunks_of(src, ring.size, layout), c, causal):
-                o, l = flash_attention(q[:, q0:q1], kh[:, :keys], vh[:, :keys], causal=diagonal,
+            for q0, q1, k0, k1, window in _plan(mine, chunks_of(src, ring.size, layout), c, band):
+                o, l = flash_attention(q[:, q0:q1], kh[:, k0:k1], vh[:, k0:k1], window_size=window,
                                        softmax_scale=softmax_scale, softcap=softcap, return_lse=True)
-                if step == 0:   # each q chunk sees its own chunk: the first step covers every row once
+                # The first step holds each q chunk's own chunk, whose call comes first and
+                # covers every row of it (a row sees itself): written, not merged.
+                if step == 0 and not any(a <= q0 < b for a, b in written):
                     out[:, q0:q1], lse[:, :, q0:q1] = o, l
+                    written.add((q0, q1))
                 else:
                     _accumulate(xp, out[:, q0:q1], lse[:, :, q0:q1], o, l)
             if pending is not None:
@@ -349,13 +392,14 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, softcap=
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, softmax_scale=None,
-                            softcap=0.0, layout="zigzag"):
+                            window_size=(-1, -1), softcap=0.0, layout="zigzag"):
     """Gradients of ``ring_attention``: (dq, dk, dv) of this rank's shards, in their dtypes.
     ``out`` and ``lse`` are this rank's results of the forward (``return_lse=True``); the other
     arguments as there."""
     names = ["dout", "q", "k", "v", "out", "lse"]
     got, caller, xp, ring, c = _setup(names, [dout, q, k, v, out, lse], group, layout)
     dout, q, k, v, out, lse = (got[n] for n in names)
+    band = _band(causal, _validate.check_window_size(window_size, None))
     acc = _config.lse_dtype(q.dtype)   # the accumulators' dtype is lse's
     with _arrays.launch_context(caller):
         dq = xp.zeros(q.shape, acc)
@@ -370,16 +414,16 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sof
             dk, dv = grads[step % len(grads)]
             src = (ring.rank - step) % ring.size
             parts = []
-            for q0, q1, keys, diagonal in _plan(mine, chunks_of(src, ring.size, layout), c, causal):
-                parts.append((q0, q1, keys) + tuple(flash_attention_backward(
-                    dout[:, q0:q1], q[:, q0:q1], kh[:, :keys], vh[:, :keys], out[:, q0:q1], lse[:, :, q0:q1],
-                    causal=diagonal, softmax_scale=softmax_scale, softcap=softcap)))
+            for q0, q1, k0, k1, window in _plan(mine, chunks_of(src, ring.size, layout), c, band):
+                parts.append((q0, q1, k0, k1) + tuple(flash_attention_backward(
+                    dout[:, q0:q1], q[:, q0:q1], kh[:, k0:k1], vh[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1],
+                    window_size=window, softmax_scale=softmax_scale, softcap=softcap)))
             if pending_grads is not None:
                 pending_grads.wait()    # this step's accumulators have arrived
-            for q0, q1, keys, gq, gk, gv in parts:
+            for q0, q1, k0, k1, gq, gk, gv in parts:
                 dq[:, q0:q1] += gq.astype(acc)
-                dk[:, :keys] += gk.astype(acc)
-                dv[:, :keys] += gv.astype(acc)
+                dk[:, k0:k1] += gk.astype(acc)
+                dv[:, k0:k1] += gv.astype(acc)
             if ring.size > 1:
                 nxt = grads[(step + 1) % len(grads)]
                 pending_grads = ring.start([dk, dv], nxt)

@@ -68,6 +68,47 @@ def test_numpy_ring_equals_one_call(world, layout, causal):
         np.testing.assert_allclose(g, ref, rtol=1e-11, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("world,layout", [(1, "zigzag"), (2, "zigzag"), (3, "zigzag"), (4, "zigzag"),
+                                          (3, "contiguous")])
+@pytest.mark.parametrize("window_size,causal", [
+    ((3, 0), False), ((3, 2), False), ((0, 0), False), ((12, -1), False), ((-1, 7), False),
+    ((6, 9), True), ((11, 4), False), ((17, 31), False), ((40, 40), False)])
+def test_numpy_ring_window_equals_one_call(world, layout, window_size, causal):
+    """float64, windows narrower than a chunk (5 rows), across several chunks, one-sided and
+    wider than the sequence: out, lse and gradients are one call's over the whole sequence."""
+    per = 2 if layout == "zigzag" else 1
+    q, k, v, dout = inputs(np, np.float64, 1, world * per * 5, 2, 1, 8, 7 * world + window_size[0])
+    kw = dict(causal=causal, window_size=window_size)
+    out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, **kw)
+    got = ring_call(world, layout, q, k, v, dout, **kw)
+    for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, (out, lse) + tuple(grads)):
+        np.testing.assert_allclose(g, ref, rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def test_window_calls_reach_only_the_band():
+    """Each windowed call's rows and keys are exactly the pairs the band reaches: over all
+    ranks and steps, the visible pairs (window inside each call, bottom-right aligned) are the
+    band of the whole sequence, each once."""
+    from cupyflash import _spec
+    world, c = 3, 7
+    n = 2 * world * c
+    for band in [(4, 0), (9, 3), (0, 12), (-1, 5), (15, -1)]:
+        seen = np.zeros((n, n), int)
+        for rank in range(world):
+            mine = cfd.chunks_of(rank, world)
+            for step in range(world):
+                theirs = cfd.chunks_of((rank - step) % world, world)
+                for q0, q1, k0, k1, window in cfd._plan(mine, theirs, c, band):
+                    rows = [mine[i // c] * c + i % c for i in range(q0, q1)]
+                    keys = [theirs[j // c] * c + j % c for j in range(k0, k1)]
+                    hit = _spec.visible(range(q1 - q0), range(k1 - k0), q1 - q0, k1 - k0, window)
+                    assert hit.any(axis=1).all(), f"{band}: rows that see nothing in a call"
+                    seen[np.ix_(rows, keys)] += hit
+        want = _spec.visible(range(n), range(n), n, n, band)
+        np.testing.assert_array_equal(seen, want.astype(int), err_msg=str(band))
+
+
 def test_numpy_ring_softcap_and_scale():
     q, k, v, dout = inputs(np, np.float64, 1, 3 * 2 * 7, 2, 1, 8, 5)
     kw = dict(causal=True, softcap=2.0, softmax_scale=0.3)
@@ -78,22 +119,28 @@ def test_numpy_ring_softcap_and_scale():
         np.testing.assert_allclose(g, ref, rtol=1e-11, atol=1e-12)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_numpy_ring_bf16_under_the_rule(causal):
+def assert_ring_under_the_rule(got, q, k, v, dout, causal, **variant):
+    """The ring's out, lse, dq, dk, dv (bf16 inputs) against the float64 reference by the
+    tolerance rule."""
+    scale = q.shape[-1] ** -0.5
+    out_ref, lse_ref = attention_ref(q, k, v, scale, causal, **variant)
+    out_naive, lse_naive = attention_naive(q, k, v, scale, causal, "bfloat16", **variant)
+    assert_rule("out", got[0], out_ref, out_naive, FWD_FACTOR)
+    assert_rule("lse", got[1], lse_ref, lse_naive, FWD_FACTOR)
+    refs = attention_ref_backward(dout, q, k, v, scale, causal, **variant)
+    naives = attention_naive_backward(dout, q, k, v, scale, causal, "bfloat16", **variant)
+    magnitude = max(float(abs(r).max()) for r in refs)
+    for name, g, ref, naive in zip(("dq", "dk", "dv"), got[2:], refs, naives):
+        assert_rule(name, g, ref, naive, BWD_FACTOR, magnitude)
+
+
+@pytest.mark.parametrize("causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (False, (20, 9))])
+def test_numpy_ring_bf16_under_the_rule(causal, window_size):
     """bf16 through the NumPy path: out, lse and gradients against the float64 reference by the
     tolerance rule (the parts are rounded to bf16 and added up in float32)."""
     q, k, v, dout = inputs(np, DTYPES["bf16"], 1, 4 * 2 * 9, 4, 2, 32, 21 + causal)
-    out, lse, dq, dk, dv = ring_call(4, "zigzag", q, k, v, dout, causal=causal)
-    scale = 32 ** -0.5
-    out_ref, lse_ref = attention_ref(q, k, v, scale, causal)
-    out_naive, lse_naive = attention_naive(q, k, v, scale, causal, "bfloat16")
-    assert_rule("out", out, out_ref, out_naive, FWD_FACTOR)
-    assert_rule("lse", lse, lse_ref, lse_naive, FWD_FACTOR)
-    refs = attention_ref_backward(dout, q, k, v, scale, causal)
-    naives = attention_naive_backward(dout, q, k, v, scale, causal, "bfloat16")
-    magnitude = max(float(np.abs(r).max()) for r in refs)
-    for name, g, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, naives):
-        assert_rule(name, g, ref, naive, BWD_FACTOR, magnitude)
+    got = ring_call(4, "zigzag", q, k, v, dout, causal=causal, window_size=window_size)
+    assert_ring_under_the_rule(got, q, k, v, dout, causal, window_size=window_size)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -108,9 +155,10 @@ def test_zigzag_steps_are_balanced(world):
         for rank in range(world):
             src = (rank - step) % world
             pairs = 0
-            for q0, q1, keys, diagonal in cfd._plan(cfd.chunks_of(rank, world), cfd.chunks_of(src, world), c, True):
+            for q0, q1, k0, k1, window in cfd._plan(cfd.chunks_of(rank, world), cfd.chunks_of(src, world), c,
+                                                    cfd.CAUSAL):
                 rows = q1 - q0
-                pairs += rows * keys - (rows * (rows - 1) // 2 if diagonal else 0)
+                pairs += rows * (k1 - k0) - (rows * (rows - 1) // 2 if window == cfd.CAUSAL else 0)
             work.add(pairs)
             total += pairs
         assert work == {2 * c * c + (c if step == 0 else 0)}, f"step {step}: work per rank {sorted(work)}"
@@ -168,6 +216,18 @@ def test_gpu_ring_under_the_rule(world, layout, causal, dtype, request):
     out, lse, dq, dk, dv = ring_call(world, layout, q, k, v, dout, causal=causal)
     check_forward(case, q, k, v, out, lse, 128 ** -0.5)
     check_backward(case, dout, q, k, v, (dq, dk, dv), 128 ** -0.5, out=out, lse=lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,window_size,causal", [(2, (100, 0), False), (3, (150, 60), False),
+                                                      (4, (300, -1), True)])
+def test_gpu_ring_window_under_the_rule(world, window_size, causal, request):
+    """Windows narrower than a chunk (97 rows) and across chunks, on the GPU kernels over a ring
+    of threads, against the float64 reference."""
+    import cupy as cp
+    q, k, v, dout = inputs(cp, DTYPES["bf16"], 2, world * 2 * 97, 4, 2, 128, seed_of(request))
+    got = ring_call(world, "zigzag", q, k, v, dout, causal=causal, window_size=window_size)
+    assert_ring_under_the_rule(got, q, k, v, dout, causal, window_size=window_size)
 
 
 @pytest.mark.gpu
