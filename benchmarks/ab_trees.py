@@ -1,0 +1,78 @@
+"""A/B of CUDA source trees in one device call: our dense rows only, each tree timed in its
+own process (``cupyflash._compile.CUDA_DIR`` pointed at it, so every tree really compiles and
+runs its own kernels), the trees interleaved rep by rep so that clock drift hits them alike.
+
+    git archive HEAD cuda | tar -x -C /tmp && mv /tmp/cuda base    # a tree of a commit
+    python benchmarks/ab_trees.py --reps 2 base=base new=cuda -- 128:2048:0:fwd,bwd 256:8192:1:fwd
+
+A cell is headdim:seqlen:causal(0/1):passes, at the bench's shapes (16K tokens, 2048 =
+heads x headdim). ``--peer`` adds cuDNN SDPA's rows once, in the first tree's first rep. The
+table gives TFLOP/s per rep for each tree; untracked trees in the repository root travel to
+the device machine with the working tree.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_tree(tree, cells, dtype, reps, peer):
+    """One process's rows: ``tree`` compiled and timed at every cell."""
+    from cupyflash import _compile
+    _compile.CUDA_DIR = Path(tree).resolve()
+    _compile.source.cache_clear()
+    from cupyflash.bench import cases, peers
+    rows = []
+    for cell in cells:
+        d, s, causal, passes = cell.split(":")
+        case = cases.Case.dense(int(s), int(d), causal == "1", dtype)
+        impls = ["cupyflash"] + (["sdpa_cudnn"] if peer else [])
+        for r in peers.compare(case, impls, tuple(passes.split(",")), reps=reps):
+            rows.append({k: r.get(k) for k in ("impl", "pass", "ms", "tflops", "error", "mismatch")}
+                        | {"cell": cell})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="*", help="name=dir (then -- and the cells)")
+    ap.add_argument("--reps", type=int, default=2, help="rounds over the trees")
+    ap.add_argument("--calls", type=int, default=20, help="timed calls per row")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--peer", action="store_true", help="cuDNN SDPA's rows in the first round")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, cells = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    if not cells or not (args.one or args.trees):
+        ap.error("name=dir trees and, after --, at least one cell (headdim:seqlen:causal:passes)")
+    if args.one:
+        rows = run_tree(args.one, cells, args.dtype, args.calls, args.peer)
+        print("ROWS " + json.dumps(rows), flush=True)
+        return 0
+    trees = [t.split("=", 1) for t in args.trees]
+    table, failed = {}, False
+    for rep in range(args.reps):
+        for i, (name, tree) in enumerate(trees):
+            cmd = [sys.executable, __file__, "--one", tree, "--dtype", args.dtype, "--calls", str(args.calls),
+                   *(["--peer"] if args.peer and i == 0 and rep == 0 else []), "--", *cells]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            found = [line for line in p.stdout.splitlines() if line.startswith("ROWS ")]
+            if not found:
+                print(f"{name}: failed\n{p.stderr[-3000:]}", flush=True)
+                failed = True
+                continue
+            for r in json.loads(found[0][5:]):
+                label = name if r["impl"] == "cupyflash" else r["impl"]
+                value = f"{r['tflops']:.0f}" if r.get("tflops") else (r.get("error") or "?")
+                table.setdefault((r["cell"], r["pass"]), {}).setdefault(label, []).append(
+                    value + (" MISMATCH" if r.get("mismatch") else ""))
+    for (cell, pass_), by_tree in table.items():
+        print(f"{cell} {pass_}: " + "  ".join(f"{n} {'/'.join(v)}" for n, v in by_tree.items()), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
