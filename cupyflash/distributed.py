@@ -314,8 +314,11 @@ def _accumulate(xp, out, lse, o, lse_o):
     lse[...] = total
 
 
-def _setup(names, arrays, group, layout):
+def _setup(names, arrays, group, layout, causal, window_size):
+    """The arrays on their backend, the caller, the array module, the ring, the chunk length and
+    the band of global positions (``_spec.band``), each argument checked."""
     per = _per_rank(layout)
+    band = _band(causal, _validate.check_window_size(window_size, None))
     converted, caller, xp = _arrays.as_backend(arrays, names)
     got = dict(zip(names, converted))
     q, k = got["q"], got["k"]
@@ -329,7 +332,7 @@ def _setup(names, arrays, group, layout):
                          f"seqlen must be even, got {q.shape[1]} (shard cuts sequences whose "
                          f"length is a multiple of 2 * world; or use layout='contiguous')")
     ring = as_ring(group)
-    return got, caller, xp, ring, q.shape[1] // per
+    return got, caller, xp, ring, q.shape[1] // per, band
 
 
 def _ring_buffers(xp, first, world):
@@ -361,16 +364,15 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, window_s
     out (this rank's shard, q's dtype), or ``(out, lse)`` with lse (batch, heads, seqlen_local)
     float32 (float64 for float64 inputs).
     """
-    got, caller, xp, ring, c = _setup(["q", "k", "v"], [q, k, v], group, layout)
+    got, caller, xp, ring, c, band = _setup(["q", "k", "v"], [q, k, v], group, layout, causal, window_size)
     q, k, v = got["q"], got["k"], got["v"]
-    band = _band(causal, _validate.check_window_size(window_size, None))
     acc = _config.lse_dtype(q.dtype)   # the accumulators' dtype is lse's
     with _arrays.launch_context(caller):
         out = xp.empty(q.shape, acc)
         lse = xp.empty((q.shape[0], q.shape[2], q.shape[1]), acc)
         mine = chunks_of(ring.rank, ring.size, layout)
         held = _ring_buffers(xp, [k, v], ring.size)
-        written = set()   # rows (first, last + 1) the first step wrote instead of merging into
+        written = 0   # the first step's rows below this were written; later calls merge into them
         for step in range(ring.size):
             pending = ring.start(held[step], held[step + 1]) if step + 1 < ring.size else None
             kh, vh = held[step]
@@ -378,11 +380,12 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, window_s
             for q0, q1, k0, k1, window in _plan(mine, chunks_of(src, ring.size, layout), c, band):
                 o, l = flash_attention(q[:, q0:q1], kh[:, k0:k1], vh[:, k0:k1], window_size=window,
                                        softmax_scale=softmax_scale, softcap=softcap, return_lse=True)
-                # The first step holds each q chunk's own chunk, whose call comes first and
-                # covers every row of it (a row sees itself): written, not merged.
-                if step == 0 and not any(a <= q0 < b for a, b in written):
+                # The first step holds each q chunk's own chunk, whose call comes first among
+                # the chunk's (the plan goes chunk by chunk) and covers every row of it (a row
+                # sees itself): written, not merged.
+                if step == 0 and q0 >= written:
                     out[:, q0:q1], lse[:, :, q0:q1] = o, l
-                    written.add((q0, q1))
+                    written = q1
                 else:
                     _accumulate(xp, out[:, q0:q1], lse[:, :, q0:q1], o, l)
             if pending is not None:
@@ -397,9 +400,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sof
     ``out`` and ``lse`` are this rank's results of the forward (``return_lse=True``); the other
     arguments as there."""
     names = ["dout", "q", "k", "v", "out", "lse"]
-    got, caller, xp, ring, c = _setup(names, [dout, q, k, v, out, lse], group, layout)
+    got, caller, xp, ring, c, band = _setup(names, [dout, q, k, v, out, lse], group, layout, causal,
+                                            window_size)
     dout, q, k, v, out, lse = (got[n] for n in names)
-    band = _band(causal, _validate.check_window_size(window_size, None))
     acc = _config.lse_dtype(q.dtype)   # the accumulators' dtype is lse's
     with _arrays.launch_context(caller):
         dq = xp.zeros(q.shape, acc)
