@@ -292,7 +292,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                                         seq.seqlen_q() - m0, p.headdim, vec_ok);
         load_row_stats<Br, Threads>(p, seq, stats_of(buf), h, m0);
     };
-    if constexpr (V::UserScore) stage_user_grads<false>(p.user);   // before the loop's first barrier
+    if constexpr (V::UserScore) stage_user_grads<false>(p.user, threadIdx.x, blockDim.x);   // before the loop's first barrier
     Step cur = settle(Step{0, 0, blocks_of(0)});
     if (cur.hq < p.group) prefetch(cur, 0);
     cp_async_commit();

@@ -22,6 +22,9 @@
 // d = 64. A step's dQ is staged at its end and pushed to the buffer in the next step, once
 // that step's S^T and dP^T are issued: the fence and the add then wait under its products.
 // flash_bwd_sm90_wide_kernel (head dim 256): see there.
+// A user score_mod (both kernels): P^T and dS^T element by element from the raw S^T once
+// dP^T is in (user_probs_t); its arrays' gradients are added up in shared memory after the
+// kernel's own where they fit (_launch._stage_grads), by the consumers, and flushed at the end.
 // The head dim is the bucket's rounded up (_launch.sm90_bwd_headdim): the copy engine fills
 // the columns past the real head dim with zeros, the stores clip them, and dQ is added for the
 // bucket's columns only.
@@ -256,6 +259,33 @@ __device__ __forceinline__ void dscores_t(const float (&st)[1][NT][4], const flo
     sink(nt, ds);
 }
 
+// With a user score_mod, P^T and dS^T together, element by element: its gradient takes the raw
+// S^T and d loss / d its result, P^T (dP^T - D), so st stays raw and dP^T must be in (no part
+// of P^T is made under dP^T's product). Each tile's four probabilities go to psink(nt, pv), its
+// dS^T to dssink(nt, ds); the arrays' gradients are added here (this pass is the only one).
+template <typename V, int NT, typename LseOf, typename DOf, typename PSink, typename DsSink>
+__device__ __forceinline__ void user_probs_t(const float (&st)[1][NT][4], const float (&dpt)[1][NT][4],
+                                             const ScoreMod<V, BwdParams>& mod, const Mask<V, BwdParams>& mask,
+                                             bool masked, int key0, int q0, int lane, LseOf&& lse_of, DOf&& d_of,
+                                             PSink&& psink, DsSink&& dssink) {
+    using C = ScoreCoords<true>;
+    const C at(key0, q0, lane);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        float pv[4], ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = at.key0 + C::dkey(0, nt, e), query = at.query0() + C::dquery(0, nt, e);
+            const float raw = st[0][nt][e];
+            pv[e] = fast_exp2(fmaf(mod.user_score(raw, query, key), LOG2E, -lse_of(nt, e & 1)));
+            if (masked && mask.hidden(query, key)) pv[e] = 0.f;
+            ds[e] = mod.user_grad(raw, pv[e] * (dpt[0][nt][e] - d_of(nt, e & 1)), query, key, true);
+        }
+        psink(nt, pv);
+        dssink(nt, ds);
+    }
+}
+
 // The fp32 dQ buffer's tile of rows row0.. (a multiple of 16) and column col (of 8) of head h.
 template <typename Seq>
 __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, int h, int row0, int col) {
@@ -280,7 +310,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     constexpr int Halves = HeadDim / 64, Sub = 64 * 64, QChunk = Br * 64, NT = Br / 8, DT = HeadDim / 8;
     constexpr int DQ_N = QSplit ? HeadDim : HeadDim / 2;   // the warpgroup's dQ columns
     static_assert(HeadDim == 64 || HeadDim == 128, "the dK and dV accumulators fit the registers up to 128");
-    static_assert(!V::Dropout && !V::UserScore, "dropout and user score_mods run the generic backward");
+    static_assert(!V::Dropout, "dropout runs the generic backward");
     const BwdParams& p = tp.base;
 
     // K and V (two warpgroups x Halves sub-tiles of 64 rows), Stages buffers of Q and of dO
@@ -308,6 +338,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
     if (threadIdx.x == 0) bar.init(Consumers);
+    if constexpr (V::UserScore) stage_user_grads<false>(p.user, threadIdx.x, blockDim.x);
     __syncthreads();
 
     if (threadIdx.x >= Consumers) {
@@ -400,19 +431,32 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
                 dscores_t(st_p, dpt_p, nt, [&](int nt, int j) { return d_of(nt0 + nt, j); },
                           [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
             };
-            probs_t(st_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane,
-                    [&](int nt, int j) { return stat(nt0 + nt, j).x; },
-                    [&](int nt, const float (&pv)[4]) {
-                        const int n = nt0 + nt;
-                        pa[n / 2][2 * (n % 2)] = pack2<Elem>(pv[0], pv[1]);
-                        pa[n / 2][2 * (n % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
-                        if (part > 0) ds_of(nt);
-                    });
-            if (part == 0) {   // the first part's P^T made while dP^T ran
-                wgmma_wait<0>();
-                wgmma_fence_operands(dpt_flat);
+            auto lse_of = [&](int nt, int j) { return stat(nt0 + nt, j).x; };
+            auto to_pa = [&](int nt, const float (&pv)[4]) {
+                const int n = nt0 + nt;
+                pa[n / 2][2 * (n % 2)] = pack2<Elem>(pv[0], pv[1]);
+                pa[n / 2][2 * (n % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
+            };
+            if constexpr (V::UserScore) {
+                if (part == 0) {
+                    wgmma_wait<0>();
+                    wgmma_fence_operands(dpt_flat);
+                }
+                user_probs_t(st_p, dpt_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane, lse_of,
+                             [&](int nt, int j) { return d_of(nt0 + nt, j); }, to_pa,
+                             [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
+            } else {
+                probs_t(st_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane, lse_of,
+                        [&](int nt, const float (&pv)[4]) {
+                            to_pa(nt, pv);
+                            if (part > 0) ds_of(nt);
+                        });
+                if (part == 0) {   // the first part's P^T made while dP^T ran
+                    wgmma_wait<0>();
+                    wgmma_fence_operands(dpt_flat);
 #pragma unroll
-                for (int nt = 0; nt < PT; ++nt) ds_of(nt);
+                    for (int nt = 0; nt < PT; ++nt) ds_of(nt);
+                }
             }
             // dV += P^T dO and dK += dS^T Q over the part's queries (B MN-major: 16 queries =
             // 2048 bytes of a chunk).
@@ -464,6 +508,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* stK = sK + wg * Halves * Sub;
     u16* stV = sV + wg * Halves * Sub;
     named_bar_sync(6, Consumers);
+    if constexpr (V::UserScore) stage_user_grads<true>(p.user, threadIdx.x, Consumers);
     const float scale = static_cast<float>(p.scale);
     stage_swizzled<Elem, 64>(stK, 16 * wq, lane, dk, [=](int, int) { return scale; });
     stage_swizzled<Elem, 64>(stV, 16 * wq, lane, dv, [](int, int) { return 1.f; });
@@ -511,7 +556,7 @@ __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     constexpr int HeadDim = 256, Bc = 64, Br = 64, Stages = 2, Consumers = 256, Chunks = HeadDim / 64;
     constexpr int Sub = 64 * 64, QW = Br / 2, NT = QW / 8, DT = HeadDim / 2 / 8, DQ_COLS = 64;
-    static_assert(!V::Dropout && !V::UserScore, "dropout and user score_mods run the generic backward");
+    static_assert(!V::Dropout, "dropout runs the generic backward");
     const BwdParams& p = tp.base;
 
     extern __shared__ unsigned char smem_raw[];
@@ -534,6 +579,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
     if (threadIdx.x == 0) bar.init(Consumers);
+    if constexpr (V::UserScore) stage_user_grads<false>(p.user, threadIdx.x, blockDim.x);
     __syncthreads();
 
     if (threadIdx.x >= Consumers) {
@@ -591,14 +637,21 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
             st_shared(tile + 2 * swizzled_offset<64>(r, c), pack2<Elem>(x[0], x[1]));
             st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), pack2<Elem>(x[2], x[3]));
         };
-        probs_t(st, mod, mask, masked, col0 + key_w, m0 + q_w, lane, [&](int nt, int j) { return stat(nt, j).x; },
-                [&](int nt, const float (&pv)[4]) { to_tile(sPt_s, nt, pv); });
-        wgmma_wait<0>();
-        wgmma_fence_operands(dpt_flat);
+        auto lse_of = [&](int nt, int j) { return stat(nt, j).x; };
+        auto d_of = [&](int nt, int j) { return stat(nt, j).y; };
+        auto to_pt = [&](int nt, const float (&pv)[4]) { to_tile(sPt_s, nt, pv); };
+        auto to_dst = [&](int nt, const float (&ds)[4]) { to_tile(sdSt_s, nt, ds); };
+        if constexpr (V::UserScore) {
+            wgmma_wait<0>();
+            wgmma_fence_operands(dpt_flat);
+            user_probs_t(st, dpt, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, d_of, to_pt, to_dst);
+        } else {
+            probs_t(st, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, to_pt);
+            wgmma_wait<0>();
+            wgmma_fence_operands(dpt_flat);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-            dscores_t(st, dpt, nt, [&](int nt, int j) { return stat(nt, j).y; },
-                      [&](int nt, const float (&ds)[4]) { to_tile(sdSt_s, nt, ds); });
+            for (int nt = 0; nt < NT; ++nt) dscores_t(st, dpt, nt, d_of, to_dst);
+        }
         // dV += P^T dO and dK += dS^T Q for the warpgroup's columns (sub-tiles 2 wg and 2 wg + 1,
         // one m64n128 product: P^T and dS^T read once per k16 step), over the queries of half
         // `half` of the tiles (that warpgroup's): its own half first, while the other warpgroup
@@ -664,6 +717,8 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         named_bar_sync(6, Consumers);   // both warpgroups are done with P^T and dS^T
     }
     if (lane == 0) bulk_wait<0>();
+    // The last barrier of the loop has every consumer's adds to the staged gradients done.
+    if constexpr (V::UserScore) stage_user_grads<true>(p.user, threadIdx.x, Consumers);
 
     // dK = scale * dk and dV of the warpgroup's columns through K and V's sub-tiles 2 wg and
     // 2 wg + 1 (the last barrier has every product done with them) to bulk stores.

@@ -140,7 +140,7 @@ __device__ __forceinline__ void dkdv_epilogue(const BwdParams& p, const Seq& seq
                                               const float (&dk)[KM][DN][4], const float (&dv)[KM][DN][4],
                                               u16* sK, u16* sV) {
     epilogue_begin();
-    if constexpr (UserGrads) stage_user_grads<true>(p.user);
+    if constexpr (UserGrads) stage_user_grads<true>(p.user, threadIdx.x, blockDim.x);
     const float scale = static_cast<float>(p.scale);
     stage_rows<Elem, HeadDim + SMEM_PAD>(sK, key0, col, dk, lane, scale);
     stage_rows<Elem, HeadDim + SMEM_PAD>(sV, key0, col, dv, lane, 1.f);

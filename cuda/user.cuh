@@ -84,15 +84,16 @@ struct GradArray : UserShape<N> {
 };
 
 // The staged gradients of a thread block: zeroed (Flush false) before its first barrier, added
-// to memory (Flush true) after its last step.
+// to memory (Flush true) after its last step, by `threads` threads (tid: the thread's rank
+// among them; the Hopper backward's consumers add and flush, every thread zeroes).
 template <bool Flush>
-__device__ __forceinline__ void stage_user_grads(const UserParams& u) {
+__device__ __forceinline__ void stage_user_grads(const UserParams& u, int tid, int threads) {
     extern __shared__ __align__(16) unsigned char user_smem[];
     for (int slot = 0; slot < USER_ARRAYS; ++slot) {
         if (u.grad_smem[slot] <= 0) continue;
         float* staged = reinterpret_cast<float*>(user_smem + u.grad_smem[slot]);
         const index_t n = static_cast<index_t>(u.shape[slot][0]) * u.shape[slot][1] * u.shape[slot][2] * u.shape[slot][3];
-        for (index_t i = threadIdx.x; i < n; i += blockDim.x) {
+        for (index_t i = tid; i < n; i += threads) {
             if (!Flush)
                 staged[i] = 0.f;
             else if (staged[i] != 0.f)

@@ -402,14 +402,15 @@ def sm90_headdim(bucket):
 
 
 def sm90_fwd_keys(spec, block_mask):
-    """Keys per block of the Hopper forward (cuda/fwd_sm90.cu's Keys): 128 up to head dim 128;
-    above, 64, but 80 at 256 (S = Q K^T by m64n80: 25% more FLOPs per byte of Q read from
+    """Keys per block of the Hopper forward (cuda/fwd_sm90.cu's Keys): 128 up to head dim 128,
+    64 there with a user score_mod (beside 128 keys' scores, O and P, a table lookup per score
+    spilled 8-60 bytes at d = 64 and causal d = 128); above, 64, but 80 at 256 (S = Q K^T by m64n80: 25% more FLOPs per byte of Q read from
     shared memory than m64n64; measured there only) for calls without a block mask (80
     divides no mask block), softcap, ALiBi or user mods (their registers spill beside 80 keys'
     scores and O)."""
     hd = sm90_headdim(spec.headdim)
     if hd <= 128:
-        return 128
+        return 64 if spec.score_mod else 128
     plain = block_mask is None and not (spec.softcap or spec.alibi or spec.user_mods)
     return 80 if hd == 256 and plain else 64
 
@@ -494,10 +495,9 @@ def _hopper_allowed():
 def bwd_family(spec, block_mask, *arrays, deterministic=False):
     """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward with dQ
     added by the copy engine into an fp32 buffer, else "generic". It covers fp16/bf16 with
-    16-byte aligned rows, every head-dim bucket, every band, softcap, ALiBi and user
-    mask_mods, block masks whose blocks its tiles divide (``sm90_bwd_rows`` queries x
-    ``sm90_bwd_keys`` keys);
-    dropout and user score_mods run the generic kernels. ``deterministic``: dense or causal
+    16-byte aligned rows, every head-dim bucket, every band, softcap, ALiBi and user mods,
+    block masks whose blocks its tiles divide (``sm90_bwd_rows`` queries x ``sm90_bwd_keys``
+    keys); dropout runs the generic kernels. ``deterministic``: dense or causal
     calls only (the key blocks add dQ in key order, which is then every block's rank among a
     query block's visitors); a window or a block mask runs the generic deterministic pass."""
     if deterministic and (spec.local or block_mask is not None):
@@ -505,7 +505,7 @@ def bwd_family(spec, block_mask, *arrays, deterministic=False):
     hd = sm90_bwd_headdim(spec.headdim)
     keys = sm90_bwd_keys(hd)
     if (_hopper_allowed() and spec.dtype in TENSOR_CORE
-            and not (spec.dropout or spec.score_mod)
+            and not spec.dropout
             and (block_mask is None or (block_mask.block_q % sm90_bwd_rows(hd) == 0
                                         and block_mask.block_k % keys == 0))
             and _vec_ok(*arrays)):
@@ -521,7 +521,13 @@ def _row_map(x, dtype, rows):
                       (x.strides[2], x.strides[1], x.strides[0]), (64, 1, rows, 1))
 
 
-def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed=None):
+# The Hopper backward's static shared memory (its barriers and two stages' lse and D), at most:
+# what the staged gradients of a user score_mod leave under the device's limit.
+SM90_BWD_STATIC_SMEM = 4096
+
+
+def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed=None,
+                   user_grads=None):
     b, sq, sk = _dims(q, k, packed)
     h, hk = q.shape[2], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
@@ -544,6 +550,8 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
     # 1 KB to align.
     dq_cols = 0 if hd == 256 else hd if rows == 128 else hd // 2
     smem = (2 * keys + 4 * rows) * hd * 2 + 2 * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
+    smem += _stage_grads(p["user"], user_grads, smem, _smem_limit() - SM90_BWD_STATIC_SMEM)
+    tp["base"]["user"] = p["user"]
     name = (template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
             if hd == 256 else
             template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant()))
@@ -653,7 +661,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         if dq_accum.shape != dq_accum_shape(q.shape, packed) or dq_accum.shape[2] % step or dq_accum.shape[3] != hd:
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
-        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed)
+        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads)
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True, *varlen), (_config.cdiv(sq, 16), h, b),
                 DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
     elif spec.dtype in TENSOR_CORE:
