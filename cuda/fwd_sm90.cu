@@ -51,7 +51,7 @@ template <typename Elem, int HeadDim, typename V, int Groups, int Keys>
 __global__ void __launch_bounds__(128 * (Groups + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     static_assert(Groups == 2 || (Groups == 3 && HeadDim == 64), "a third consumer fits at head dim 64");
-    static_assert(Keys % 16 == 0 && Keys <= (HeadDim <= 128 ? 128 : 80), "S and O in the registers");
+    static_assert(Keys % 16 == 0 && (HeadDim <= 128 ? Keys == 128 : Keys <= 80), "S and O in the registers");
     constexpr int Br = 64 * Groups, Bc = Keys, Stages = 2;
     constexpr int Consumers = 128 * Groups;
     constexpr int Halves = HeadDim / 64;   // 64-column sub-tiles of a row block (one swizzle atom wide)

@@ -402,15 +402,14 @@ def sm90_headdim(bucket):
 
 
 def sm90_fwd_keys(spec, block_mask):
-    """Keys per block of the Hopper forward (cuda/fwd_sm90.cu's Keys): 128 up to head dim 128,
-    64 there with a user score_mod (beside 128 keys' scores, O and P, a table lookup per score
-    spilled 8-60 bytes at d = 64 and causal d = 128); above, 64, but 80 at 256 (S = Q K^T by m64n80: 25% more FLOPs per byte of Q read from
+    """Keys per block of the Hopper forward (cuda/fwd_sm90.cu's Keys): 128 up to head dim 128;
+    above, 64, but 80 at 256 (S = Q K^T by m64n80: 25% more FLOPs per byte of Q read from
     shared memory than m64n64; measured there only) for calls without a block mask (80
     divides no mask block), softcap, ALiBi or user mods (their registers spill beside 80 keys'
     scores and O)."""
     hd = sm90_headdim(spec.headdim)
     if hd <= 128:
-        return 64 if spec.score_mod else 128
+        return 128
     plain = block_mask is None and not (spec.softcap or spec.alibi or spec.user_mods)
     return 80 if hd == 256 and plain else 64
 

@@ -676,7 +676,9 @@ def check_gpu_case(case, deterministic, monkeypatch):
     grads = cf.flash_attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                         **kw)
     assert len(grads) == (4 if score is not None else 3)
-    if case.dtype in ("float16", "bfloat16") and cupy.cuda.Device().compute_capability == "90":
+    # (deterministic with a mask_mod's block mask: the generic pass, _launch.bwd_family)
+    if (case.dtype in ("float16", "bfloat16") and cupy.cuda.Device().compute_capability == "90"
+            and not (deterministic and mask is not None)):
         assert hopper_runs, "the Hopper backward did not run"
     if deterministic and case.dtype in ("float16", "bfloat16"):
         again = cf.flash_attention_backward(dout, q, k, v, out, lse, deterministic=True, **kw)
