@@ -618,7 +618,7 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
         if block_mask is not None:
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, spec.causal,
                         kv=True, q=False)
-        name = template_name("generic_fwd_kernel", elem, hd, variant)
+        name = template_name("generic_fwd_kernel", elem, hd, spec.variant(band_at_run_time=True))
         _launch("generic.cu", name, (_config.cdiv(sq, _config.GENERIC_WARPS), h, b),
                 32 * _config.GENERIC_WARPS, _generic_smem(hd, q.itemsize), p[()], spec.user_mods)
 
@@ -704,6 +704,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=True)
         smem = _generic_smem(hd, q.itemsize)
         threads = 32 * _config.GENERIC_WARPS
+        variant = spec.variant(band_at_run_time=True)
         _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, variant),
                 rows, threads, smem, p[()], spec.user_mods)
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, variant),
@@ -895,5 +896,8 @@ def kernel_names(smem_limit, hopper=False):
             for elem in ("float", "double"):
                 for kernel in ("generic_fwd_kernel", "generic_bwd_dq_kernel",
                                "generic_bwd_dkdv_kernel"):
-                    names["generic.cu"].append(template_name(kernel, elem, hd, variant))
+                    names["generic.cu"].append(template_name(kernel, elem, hd,
+                                                             spec.variant(band_at_run_time=True)))
+    # The plain kernels' bands are all one instantiation: each name once.
+    names["generic.cu"] = list(dict.fromkeys(names["generic.cu"]))
     return names

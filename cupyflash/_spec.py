@@ -117,9 +117,13 @@ class CallSpec:
                                            ("user", self.score_mod or self.mask_mod),
                                            ("varlen", self.seq == SEQ_PACKED)) if on)
 
-    def variant(self):
-        """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh)."""
-        flags = (self.causal, self.local, self.softcap > 0, self.alibi, self.dropout > 0)
+    def variant(self, band_at_run_time=False):
+        """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh).
+        ``band_at_run_time``: every band (none and causal too) as a window read at run time,
+        for the plain float32/float64 kernels (cuda/generic.cu), where the mask's compare per
+        score is small beside the score's dot product and one instantiation serves all three."""
+        causal, local = (False, True) if band_at_run_time else (self.causal, self.local)
+        flags = (causal, local, self.softcap > 0, self.alibi, self.dropout > 0)
         args = ["true" if f else "false" for f in flags]
         if self.user_mods or self.seq != SEQ_DENSE:
             args.append("UserMods" if self.user_mods else "NoMods")

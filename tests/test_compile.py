@@ -176,7 +176,8 @@ def _user_mod_names(score, mask, arch):
             for elem in ("float", "double"):
                 for kernel in ("generic_fwd_kernel", "generic_bwd_dq_kernel",
                                "generic_bwd_dkdv_kernel"):
-                    names["generic.cu"].append(template_name(kernel, elem, hd, variant))
+                    names["generic.cu"].append(template_name(kernel, elem, hd,
+                                                             spec.variant(band_at_run_time=True)))
         # The Hopper kernels run user mods on sm_90 at every head dim (one per kernel shape).
         for hd in (64, 128, 256) if arch == "sm_90" else ():
             names["fwd_sm90.cu"].append(template_name(
