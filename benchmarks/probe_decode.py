@@ -1,5 +1,5 @@
-"""Where the time of a batch-1 decode call goes: the split count swept and the floor of a
-timed graph launch.
+"""Where the time of a batch-1 decode call goes: the split count swept, the split pass timed
+without the merge, and the floor of a timed graph launch.
 
     python benchmarks/probe_decode.py --out DIR
 
@@ -7,8 +7,9 @@ The cases of bench_decode.py (bf16, d=128, 32 query heads over 8 KV heads, one q
 full contiguous caches), timed the same way (CUDA graph replays, one per CUDA-event pair):
 - ``floor``: a graph of one empty kernel, and of two (the fixed cost any call pays, and what
   a second kernel adds);
-- ``splits``: num_splits from the list below (0: the heuristic's pick), the whole call (the
-  last split of each row block merges, in the same kernel).
+- ``splits``: num_splits from the list below (0: the heuristic's pick), the whole call;
+- ``split_pass``: the same graph without the merge kernel (its outputs are then wrong: timing
+  only), so that whole - split_pass is the merge kernel's share.
 Writes DIR/probe_decode.json and prints a table.
 """
 import argparse
@@ -38,11 +39,18 @@ def main():
     args = ap.parse_args()
     import cupy as cp
     import cupyflash as cf
+    from cupyflash import _launch
     clock = bench.CupyClock()
     copy_gbps = copy_bandwidth(cp, clock, 20)
     empty = cp.RawKernel(EMPTY, "empty_kernel")
     rows = [dict(kind="floor", kernels=n, ms=replay_ms(clock, lambda n=n: [empty((1,), (32,), ()) for _ in range(n)],
                                                         args.reps)) for n in (1, 2)]
+    launch = _launch._launch
+
+    def without_merge(filename, name, *rest, **kw):
+        if not name.startswith("flash_decode_merge_kernel"):
+            launch(filename, name, *rest, **kw)
+
     for batch, context in CASES:
         k_cache, v_cache = random_cache(cp, batch, context)
         q = cp.random.standard_normal((batch, 1, NHEADS, HEADDIM), dtype=cp.float32).astype(k_cache.dtype)
@@ -52,8 +60,13 @@ def main():
             def call(n=n, kc=k_cache, vc=v_cache):
                 return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=n)
             whole = replay_ms(clock, call, args.reps)
+            _launch._launch = without_merge
+            try:
+                split_pass = replay_ms(clock, call, args.reps)
+            finally:
+                _launch._launch = launch
             rows.append(dict(kind="splits", batch=batch, context=context, num_splits=n, ms=whole,
-                             of_copy=kv / (whole * 1e-3) / 1e9 / copy_gbps))
+                             split_pass_ms=split_pass, of_copy=kv / (whole * 1e-3) / 1e9 / copy_gbps))
         del k_cache, v_cache
         bench.release_memory()
     doc = bench.report("probe_decode", rows, nheads=NHEADS, nheads_k=NHEADS_K, headdim=HEADDIM,
@@ -61,10 +74,10 @@ def main():
     bench.write_json(Path(args.out) / "probe_decode.json", doc)
     lines = [f"copy {copy_gbps:.0f} GB/s; floor: one kernel {rows[0]['ms'] * 1e3:.1f} us, "
              f"two {rows[1]['ms'] * 1e3:.1f} us",
-             "| batch | context | splits | us | of copy |", "|---|---|---|---|---|"]
+             "| batch | context | splits | us | split pass us | of copy |", "|---|---|---|---|---|---|"]
     for r in rows[2:]:
         lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {r['num_splits']} | {r['ms'] * 1e3:.1f} | "
-                     f"{r['of_copy']:.2f} |")
+                     f"{r['split_pass_ms'] * 1e3:.1f} | {r['of_copy']:.2f} |")
     print("\n".join(lines))
 
 

@@ -121,19 +121,15 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N));
 }
 
-// x reduced by op over aligned groups of Lanes lanes (a power of two); every lane gets its
-// group's result.
-template <int Lanes, typename Op>
-__device__ __forceinline__ float lanes_reduce(float x, Op op) {
-#pragma unroll
-    for (int o = 1; o < Lanes; o *= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ float max_op(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ float sum_op(float a, float b) { return a + b; }
 // Quad reductions: the four lanes holding one row of an mma accumulator.
-__device__ __forceinline__ float quad_max(float x) { return lanes_reduce<4>(x, max_op); }
-__device__ __forceinline__ float quad_sum(float x) { return lanes_reduce<4>(x, sum_op); }
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
 
 // --- Tiles of a (batch, seq, head, dim) tensor in shared memory: Rows x HeadDim 16-bit
 // elements, row stride HeadDim + SMEM_PAD, moved in 16-byte chunks by all threads of the block.

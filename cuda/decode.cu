@@ -9,9 +9,8 @@
 //   fourth one) through a ring of shared-memory stages by cp.async, with no barrier between
 //   warps, and runs S = Q K^T, the score step, mask and online softmax (the shared pieces) and
 //   O += P V by mma.sync on them; the warps' (max, sum, O) are then combined through shared
-//   memory. One split writes out and lse; several write fp32 parts, and the last split of a
-//   block's rows to finish (a ticket per (entry, kv head, row chunk)) combines them by their
-//   lse (as cupyflash.merge_attention), with no second kernel.
+//   memory. One split writes out and lse; several write fp32 parts that
+// - flash_decode_merge_kernel combines by their lse (as cupyflash.merge_attention).
 #include "common.cuh"
 #include "seqinfo.cuh"
 #include "mask.cuh"
@@ -24,8 +23,6 @@ struct DecodeParams {
     float* o_part;      // splits > 1: (splits, batch, nheads, seqlen_q, HeadDim) fp32 outputs of
                         // the splits, each normalized by its own sum
     float* lse_part;    // (splits, batch, nheads, seqlen_q), natural log; -inf: no key
-    unsigned* tickets;  // splits > 1: one per (entry, kv head, row chunk), zero before the launch;
-                        // atomicInc wraps each back to zero by the end
     int splits;
     int split_keys;     // keys per split, a multiple of DECODE_KEYS
     int row_chunks;     // 16-row chunks of group * seqlen_q packed rows: grid.y = nheads_k * row_chunks
@@ -44,73 +41,9 @@ __host__ __device__ constexpr int decode_smem() {
     return (16 + DECODE_WARPS * decode_stages<HeadDim>() * 2 * DECODE_SLICE) * (HeadDim + SMEM_PAD) * 2;
 }
 
-// The splits' parts of packed rows g0..last (head hk of the entry) combined by their lse, by
-// the block that finished last (parts just written: in L2, read past L1). sW (splits x 16
-// floats of shared memory, free by then) holds each row's weights: first the splits' lse (all
-// loads at once), then, per row (a warp's), exp(lse - max) and their total; each thread then
-// adds four columns of one row over every split, loads issued eight at a time.
-constexpr int DECODE_MAX_SPLITS = 128;
-
-template <typename Elem, int HeadDim, typename Seq>
-__device__ __forceinline__ void merge_splits(const DecodeParams& dp, const Seq& seq, int hk, int g0, int last, float* sW) {
-    const FwdParams& p = dp.base;
-    const int rows = last - g0 + 1, splits = dp.splits, lane = threadIdx.x % 32;
-    const index_t stride = static_cast<index_t>(p.batch) * p.nheads * p.seqlen_q;
-    auto stat_of = [&](int r) {   // (batch, nheads, seqlen_q) index of packed row g0 + r
-        const int g = g0 + r;
-        return seq.stat(hk * p.group + g % p.group, g / p.group);
-    };
-    __shared__ float sBase[16], sTotal[16];
-    for (int i = threadIdx.x; i < rows * splits; i += DECODE_WARPS * 32)
-        sW[i] = __ldcg(dp.lse_part + (i % splits) * stride + stat_of(i / splits));
-    __syncthreads();
-    for (int r = threadIdx.x / 32; r < rows; r += DECODE_WARPS) {
-        float* w = sW + r * splits;
-        float top = neg_inf();
-        for (int s = lane; s < splits; s += 32) top = fmaxf(top, w[s]);
-        top = lanes_reduce<32>(top, max_op);
-        const float base = top == neg_inf() ? 0.f : top;
-        float sum = 0.f;
-        for (int s = lane; s < splits; s += 32) {
-            w[s] = __expf(w[s] - base);
-            sum += w[s];
-        }
-        sum = lanes_reduce<32>(sum, sum_op);
-        if (lane == 0) {
-            sBase[r] = base;
-            sTotal[r] = sum;
-        }
-    }
-    __syncthreads();
-    constexpr int Quads = HeadDim / 4;
-    for (int i = threadIdx.x; i < rows * Quads; i += DECODE_WARPS * 32) {
-        const int r = i / Quads, col = i % Quads * 4, g = g0 + r;
-        if (col >= p.headdim) continue;
-        const index_t row = stat_of(r);
-        const float* w = sW + r * splits;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int s = 0; s < splits; ++s) {
-            const float4 x = __ldcg(reinterpret_cast<const float4*>(dp.o_part + (s * stride + row) * HeadDim + col));
-            o = make_float4(fmaf(w[s], x.x, o.x), fmaf(w[s], x.y, o.y), fmaf(w[s], x.z, o.z), fmaf(w[s], x.w, o.w));
-        }
-        // Only a total of exactly 0 is a row without keys (a NaN stays NaN), as finalize.
-        const float total = sTotal[r];
-        const bool empty = total == 0.f;
-        const float inv = empty ? 0.f : 1.f / total;
-        u16* out = seq.template q_row<u16>(p.o, hk * p.group + g % p.group, g / p.group) + col;
-        const float ox[4] = {o.x, o.y, o.z, o.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            if (col + j < p.headdim) ElemTraits<Elem>::store(out + j, ox[j] * inv);
-        if (col == 0) static_cast<float*>(p.lse)[row] = empty ? neg_inf() : sBase[r] + logf(total);
-    }
-}
-
 template <typename Elem, int HeadDim, typename V>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(const DecodeParams dp) {
     static_assert(V::Seq == SEQ_CACHE || V::Seq == SEQ_PAGED, "keys in a KV cache");
-    static_assert(16 * DECODE_MAX_SPLITS * 4 <= decode_smem<HeadDim>(), "the merge's weights fit the rings' memory");
     static_assert(!V::Dropout && !V::UserScore && !V::UserMask, "no dropout or user mods here");
     constexpr int LD = HeadDim + SMEM_PAD, Stages = decode_stages<HeadDim>(), DT = HeadDim / 8, KS = HeadDim / 16;
     const FwdParams& p = dp.base;
@@ -305,19 +238,80 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
             if (col == 0) dp.lse_part[part] = sLse[r];
         }
     }
-    if (dp.splits == 1) return;
-    // The last split of these rows to finish merges them all: every block fences its parts
-    // before it takes a ticket, and the one that takes the last sees every part after its own
-    // fence. (A second kernel cost its graph node and the splits' drain, ~3.5 us per call on
-    // the H200: benchmarks/NOTES.md.)
-    __shared__ bool merges;
-    __threadfence();
+}
+
+// The splits' parts of each query row combined by their lse: grid (seqlen_q, nheads, batch),
+// DECODE_MERGE_GROUPS groups of HeadDim / 4 threads. The parts were just written (they are in
+// L2): each pass issues its loads together rather than one split after another (whose
+// latencies took 9 of the 22 us of a batch-1 call over 8K keys in 32 splits on the H200:
+// benchmarks/NOTES.md). The lse of every split by all threads at once; then each group adds
+// every eighth split's outputs, four columns a thread, and the groups' sums meet in shared
+// memory.
+constexpr int DECODE_MAX_SPLITS = 128, DECODE_MERGE_GROUPS = 8;
+
+// x reduced by op over the block's Threads threads (every thread gets it); scratch: one float
+// per warp, free again on return.
+template <int Threads, typename Op>
+__device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
+#pragma unroll
+    for (int lane = 16; lane > 0; lane /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, lane));
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
     __syncthreads();
-    if (threadIdx.x == 0) merges = atomicInc(dp.tickets + blockIdx.z * gridDim.y + blockIdx.y, dp.splits - 1) == dp.splits - 1;
+    x = scratch[0];
+#pragma unroll
+    for (int w = 1; w < Threads / 32; ++w) x = op(x, scratch[w]);
     __syncthreads();
-    if (!merges) return;
-    __threadfence();
-    merge_splits<Elem, HeadDim>(dp, seq, hk, g0, last, reinterpret_cast<float*>(smem));
+    return x;
+}
+
+template <typename Elem, int HeadDim>
+__global__ void __launch_bounds__(DECODE_MERGE_GROUPS * HeadDim / 4) flash_decode_merge_kernel(const DecodeParams dp) {
+    constexpr int Lanes = HeadDim / 4, Threads = DECODE_MERGE_GROUPS * Lanes;
+    static_assert(Threads % 32 == 0, "whole warps");
+    __shared__ float weight[DECODE_MAX_SPLITS], scratch[Threads / 32];
+    __shared__ __align__(16) float part[DECODE_MERGE_GROUPS][HeadDim];
+    const FwdParams& p = dp.base;
+    const int q = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+    const index_t row = (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + q;
+    const index_t stride = static_cast<index_t>(p.batch) * p.nheads * p.seqlen_q;
+    float top = neg_inf();
+    for (int s = t; s < dp.splits; s += Threads) {
+        weight[s] = dp.lse_part[s * stride + row];
+        top = fmaxf(top, weight[s]);
+    }
+    top = block_reduce<Threads>(top, [](float x, float y) { return fmaxf(x, y); }, scratch);
+    const float base = top == neg_inf() ? 0.f : top;
+    float sum = 0.f;
+    for (int s = t; s < dp.splits; s += Threads) {
+        weight[s] = __expf(weight[s] - base);
+        sum += weight[s];
+    }
+    const float total = block_reduce<Threads>(sum, [](float x, float y) { return x + y; }, scratch);
+
+    const int group = t / Lanes, col = t % Lanes * 4;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (col < p.headdim) {
+#pragma unroll 4
+        for (int s = group; s < dp.splits; s += DECODE_MERGE_GROUPS) {
+            const float w = weight[s];
+            const float4 x = *reinterpret_cast<const float4*>(dp.o_part + (s * stride + row) * HeadDim + col);
+            o = make_float4(fmaf(w, x.x, o.x), fmaf(w, x.y, o.y), fmaf(w, x.z, o.z), fmaf(w, x.w, o.w));
+        }
+    }
+    *reinterpret_cast<float4*>(&part[group][col]) = o;
+    __syncthreads();
+    const bool empty = total == 0.f;
+    if (t < Lanes && col < p.headdim) {
+        u16* out = row_ptr<u16>(p.o, b, h, q) + col;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float x = 0.f;
+#pragma unroll
+            for (int g = 0; g < DECODE_MERGE_GROUPS; ++g) x += part[g][col + j];
+            ElemTraits<Elem>::store(out + j, empty ? 0.f : x / total);
+        }
+    }
+    if (t == 0) static_cast<float*>(p.lse)[row] = empty ? neg_inf() : base + logf(total);
 }
 
 // The call's new keys and values (p.q: k, p.o: v, (batch, new_keys, nheads_k, headdim)) into the

@@ -712,31 +712,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
                 spec.user_mods)
 
 
-# cuda/decode.cu: four warps, 16-key slices, splits of whole 64-key steps, at most 128 of them.
-DECODE_THREADS, DECODE_KEYS, DECODE_MAX_SPLITS = 128, 64, 128
-DECODE_PARAMS = np.dtype({"names": ["base", "o_part", "lse_part", "tickets", "splits", "split_keys", "row_chunks"],
-                          "formats": [FWD_PARAMS, np.uint64, np.uint64, np.uint64, np.int32, np.int32, np.int32],
-                          "offsets": [0] + [_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + o for o in (0, 8, 16, 24, 28, 32)],
-                          "itemsize": _config.cdiv(_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + 36, 8) * 8})
-# Split decode's tickets (cuda/decode.cu), by (device, stream): zero between calls.
-_TICKETS = {}
-
-
-def _decode_tickets(cupy, tiles):
-    """Zeroed uint32 tickets for ``tiles`` row blocks of a split decode; each call leaves them
-    zero again (atomicInc wraps), so one buffer per (device, stream) serves its calls, which
-    run one after another. Inside a CUDA graph capture: the capture stream's buffer when it
-    is large enough (the graph's replays then use it too: replay on that stream, or while no
-    other call does), else a zeroed buffer of the graph's own (its memset a node of the graph);
-    call under ``_arrays.scratch``."""
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-    have = _TICKETS.get(key)
-    if have is not None and have.size >= tiles:
-        return have
-    if _arrays.capturing(cupy):
-        return cupy.zeros(tiles, cupy.uint32)
-    _TICKETS[key] = have = cupy.zeros(max(tiles, 1024), cupy.uint32)
-    return have
+# cuda/decode.cu: four warps, 16-key slices, splits of whole 64-key steps, at most 128 of them;
+# the merge kernel's threads: 8 groups of a quarter of the head dim.
+DECODE_THREADS, DECODE_KEYS, DECODE_MAX_SPLITS, DECODE_MERGE_GROUPS = 128, 64, 128, 8
+DECODE_PARAMS = np.dtype({"names": ["base", "o_part", "lse_part", "splits", "split_keys", "row_chunks"],
+                          "formats": [FWD_PARAMS, np.uint64, np.uint64, np.int32, np.int32, np.int32],
+                          "offsets": [0] + [_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + o for o in (0, 8, 16, 20, 24)],
+                          "itemsize": _config.cdiv(_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + 28, 8) * 8})
 
 
 def decode_smem(hd):
@@ -760,7 +742,7 @@ def decode_splits(blocks, max_keys, slots, requested=0):
     smaller one skipped). Measured on the H200 at batch 1: 29 splits (232 of 264 slots) ran
     4-5% slower than 32 (256), 16 (one wave of one block per SM) as fast as 32 for contiguous
     caches but 10% slower for paged ones (benchmarks/NOTES.md). At most
-    DECODE_MAX_SPLITS either way (the merge's weights, 16 rows x the splits, in shared memory)."""
+    DECODE_MAX_SPLITS either way (the merge kernel's shared memory)."""
     steps = max(1, _config.cdiv(max_keys, DECODE_KEYS))
     most = min(steps, DECODE_MAX_SPLITS)
     if requested:
@@ -791,8 +773,7 @@ def kvcache_append(k_cache, v_cache, k, v, layout):
 
 def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num_splits=0):
     """cuda/decode.cu's flash_decode_kernel over the cache ``layout`` (a Cache), with split-KV
-    (the last split of each row block merging) when more than one split runs; call under
-    ``_arrays.scratch``."""
+    and flash_decode_merge_kernel when more than one split runs."""
     import cupy
     p = np.zeros((), DECODE_PARAMS)
     base = p["base"]
@@ -813,10 +794,12 @@ def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num
         o_part = cupy.empty((splits, b, h, sq, hd), cupy.float32)
         lse_part = cupy.empty((splits, b, h, sq), cupy.float32)
         p["o_part"], p["lse_part"] = o_part.data.ptr, lse_part.data.ptr
-        p["tickets"] = _decode_tickets(cupy, b * hk * chunks).data.ptr
     elem, variant = ELEM[spec.dtype], spec.variant()
     _launch("decode.cu", template_name("flash_decode_kernel", elem, hd, variant), (splits, hk * chunks, b),
             DECODE_THREADS, smem, p[()])
+    if splits > 1:
+        _launch("decode.cu", template_name("flash_decode_merge_kernel", elem, hd), (sq, h, b),
+                DECODE_MERGE_GROUPS * hd // 4, 0, p[()])
 
 
 def dq_buffer(spec, block_mask, deterministic, q, k, v, out, dout, dq, dk, dv, packed=None):
@@ -873,6 +856,7 @@ def kernel_names(smem_limit, hopper=False):
         template_name("flash_decode_kernel", ELEM[d], hd, dataclasses.replace(s, seq=seq).variant())
         for d in TENSOR_CORE for hd in _config.HEAD_DIM_BUCKETS for seq in (_spec.SEQ_CACHE, _spec.SEQ_PAGED)
         for s in variants if not s.dropout and s.seq == _spec.SEQ_DENSE] + [
+        template_name("flash_decode_merge_kernel", ELEM[d], hd) for d in TENSOR_CORE for hd in _config.HEAD_DIM_BUCKETS] + [
         template_name("kvcache_append_kernel", storage, seq) for storage in ("u16", "float", "double")
         for seq in (_spec.SEQ_CACHE, _spec.SEQ_PAGED)]
     for elem in ELEM.values():

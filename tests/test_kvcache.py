@@ -167,8 +167,8 @@ def test_gpu_decode(dtype, paged, page_size, num_splits, request):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [32, 256])
 def test_gpu_decode_most_splits(d, request):
-    """num_splits past the cap runs DECODE_MAX_SPLITS splits: the merging block's lanes then
-    take four splits each."""
+    """num_splits past the cap runs DECODE_MAX_SPLITS splits: the merge's lse pass then takes
+    more than one split per thread at head dim 32 (64 threads)."""
     run_gpu("bf16", 1, 1, 4, 1, d, False, 0, 8300, [8199], 1, request, num_splits=1000)
 
 
