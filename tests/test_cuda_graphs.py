@@ -13,7 +13,7 @@ buffer where the capture left it. So, checked on the GPU:
   through autograd) captured whole and replayed on a new input gives the eager step's loss
   and gradients;
 - a packed batch (flash_attention_varlen, maximums given) captured and replayed on new values
-  gives the bits of eager calls on them;
+  gives the bits of eager calls on them, and so does a split-KV decode;
 - host work a capture cannot hold is refused with a RuntimeError that says what to do, and
   the capture is still usable after it: a kernel's first use (compile and load), a block
   mask's lists never copied to the device, a mask_mod without a block mask.
@@ -133,6 +133,32 @@ def test_cupy_capture_replays_a_packed_batch_on_new_inputs():
             cf.flash_attention_varlen(q, k, v, cu, cu)
     with stream:
         _capture(stream, without_maximums)
+
+
+def test_cupy_capture_replays_a_split_decode():
+    """flash_attention_with_kvcache over 8 splits (the parts in a workspace of the call, then
+    merged) captured and replayed twice on new queries over poisoned outputs: the bits of
+    eager calls made between the replays."""
+    rng = np.random.default_rng(5)
+    b, h, hk, d, capacity = 2, 8, 2, 128, 2048
+
+    def draw(shape):
+        return cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(gpu_checks.DTYPES["bf16"])
+    k_cache, v_cache, q = draw((b, capacity, hk, d)), draw((b, capacity, hk, d)), draw((b, 1, h, d))
+    lens = cp.asarray(np.array([2000, 1500], np.int32))
+
+    def step():
+        return cf.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=8,
+                                               return_lse=True)
+    stream, results, graph = _captured_poisoned(step)
+    with stream:
+        for _ in range(2):
+            q[...] = draw(q.shape)
+            graph.launch()
+            want = step()
+            stream.synchronize()
+            for name, got, ref in zip(("out", "lse"), results, want):
+                assert bool((got.view(cp.uint8) == ref.view(cp.uint8)).all()), name
 
 
 def test_first_use_of_a_kernel_in_a_capture_is_refused_and_the_capture_survives():
