@@ -28,34 +28,59 @@ __device__ __forceinline__ float lse_log2(float lse) {
     return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
 }
 
-// Warps (rows) per block of bwd_preprocess_kernel, and the largest block of
+// Rows and threads per block of bwd_preprocess_kernel, and the largest block of
 // bwd_convert_dq_kernel (its loops stride by blockDim): the host launches them with
-// _config.GENERIC_WARPS and _launch.DQ_CONVERT_THREADS (tests/test_params.py checks both).
-constexpr int PREPROCESS_WARPS = 8;
+// _launch.PREPROCESS_ROWS, PREPROCESS_THREADS and DQ_CONVERT_THREADS (tests/test_params.py).
+constexpr int PREPROCESS_ROWS = 64, PREPROCESS_THREADS = 256;
 constexpr int DQ_CONVERT_THREADS = 256;
 
-// grid (ceil(seqlen_q / PREPROCESS_WARPS), nheads, batch), one warp per query row. Writes D,
-// and for the tensor-core passes lse in log2 units (the plain kernels convert lse themselves).
+// grid (ceil(seqlen_q / PREPROCESS_ROWS), nheads, batch). Writes D, and for the tensor-core
+// passes lse in log2 units (the plain kernels convert lse themselves). Each row's D by a group
+// of lanes (the fewest, a power of two, whose 16-byte chunks cover the head dim, at most a
+// warp), each lane one 16-byte load of out and of dout per chunk where rows are 16-byte
+// aligned (element by element where not, and in a last partial chunk), the block's groups
+// walking its rows together: one warp per row with 2-byte loads ran the d=128 pass at ~2.3
+// TB/s and the d=64 one at half that (benchmarks/NOTES.md).
 // Seq: the rows' layout (seqinfo.cuh), as the passes' Variant::Seq.
 template <typename Elem, int Seq = SEQ_DENSE>
-__global__ void __launch_bounds__(PREPROCESS_WARPS * 32) bwd_preprocess_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(const BwdParams p) {
     typedef ElemTraits<Elem> Tr;
     typedef typename Tr::storage S;
     typedef typename Tr::acc Acc;
-    const int row = blockIdx.x * PREPROCESS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    constexpr int VEC = 16 / sizeof(S);
     const SeqInfo<BwdParams, Seq> seq(p, blockIdx.z);
-    const int h = blockIdx.y;
-    if (row >= seq.seqlen_q()) return;
-    const S* o = seq.template q_row<const S>(p.o, h, row);
-    const S* dout = seq.template q_row<const S>(p.dout, h, row);
-    Acc sum = 0;
-    for (int c = lane; c < p.headdim; c += 32) sum += Tr::load(o + c) * Tr::load(dout + c);
+    const int h = blockIdx.y, chunks = (p.headdim + VEC - 1) / VEC;
+    int lanes = 1;
+    while (lanes < chunks && lanes < 32) lanes *= 2;
+    const int groups = PREPROCESS_THREADS / lanes, group = threadIdx.x / lanes, c0 = threadIdx.x % lanes;
+    // Every lane of a warp takes the same number of turns (the shuffles need them all).
+    for (int r = group; r < PREPROCESS_ROWS; r += groups) {
+        const int row = blockIdx.x * PREPROCESS_ROWS + r;
+        const bool in = row < seq.seqlen_q();
+        Acc sum = 0;
+        if (in) {
+            const S* o = seq.template q_row<const S>(p.o, h, row);
+            const S* dout = seq.template q_row<const S>(p.dout, h, row);
+            for (int c = c0; c < chunks; c += lanes) {
+                const int col = c * VEC;
+                if (p.vec_ok && col + VEC <= p.headdim) {
+                    const uint4 ov = *reinterpret_cast<const uint4*>(o + col);
+                    const uint4 dv = *reinterpret_cast<const uint4*>(dout + col);
+                    const S* oe = reinterpret_cast<const S*>(&ov);
+                    const S* de = reinterpret_cast<const S*>(&dv);
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
-        *stat_ptr<Acc>(p.dsum, seq, h, row) = sum;
-        if constexpr (sizeof(S) == 2)
-            *stat_ptr<float>(p.lse_log2, seq, h, row) = lse_log2(*stat_ptr<const float>(p.lse, seq, h, row));
+                    for (int e = 0; e < VEC; ++e) sum += Tr::load(oe + e) * Tr::load(de + e);
+                } else {
+                    for (int e = col; e < min(col + VEC, p.headdim); ++e) sum += Tr::load(o + e) * Tr::load(dout + e);
+                }
+            }
+        }
+        for (int off = lanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (in && c0 == 0) {
+            *stat_ptr<Acc>(p.dsum, seq, h, row) = sum;
+            if constexpr (sizeof(S) == 2)
+                *stat_ptr<float>(p.lse_log2, seq, h, row) = lse_log2(*stat_ptr<const float>(p.lse, seq, h, row));
+        }
     }
 }
 
@@ -75,9 +100,13 @@ __device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, const Seq& se
     return p.dq_accum + seq.accum_tile(h, tile) * (p.dq_accum_cols / 8) * DQ_TILE + lane;
 }
 
-// grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads,
-// 16 x (dq_accum_cols + 1) floats of shared memory: one strip of 16 rows, read in tile order,
-// written row by row. LaneMajor: the Hopper pass's tiles. Seq: the rows' layout.
+// grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads: one strip of
+// 16 rows. LaneMajor (the Hopper pass's tiles): a thread takes lane L = 4 r + q of tile ct,
+// one 16-byte load holding rows r and r + 8 at columns 8 ct + 2 q and + 1, consecutive
+// threads consecutive column pairs of a row (whole 128-byte lines out), and stores each pair
+// as one 32-bit word where rows are aligned. Else (mma order) through 16 x (dq_accum_cols + 1)
+// floats of shared memory: the strip read in tile order, written row by row. Seq: the rows'
+// layout.
 template <typename Elem, bool LaneMajor, int Seq = SEQ_DENSE>
 __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p) {
     extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
@@ -86,13 +115,35 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     if (Seq == SEQ_PACKED && row0 >= seq.seqlen_q()) return;
     const int cols = p.dq_accum_cols, ld = cols + 1;
     const float* src = dq_tile_lane(p, seq, h, blockIdx.x, 0);
+    const float scale = static_cast<float>(p.scale);
+    if constexpr (LaneMajor) {
+        const int tiles = cols / 8;
+        for (int i = threadIdx.x; i < 8 * tiles * 4; i += blockDim.x) {
+            const int q = i % 4, ct = i / 4 % tiles, r = i / (4 * tiles), c = ct * 8 + 2 * q;
+            if (c >= p.headdim) continue;
+            const float4 x = *reinterpret_cast<const float4*>(src + ct * DQ_TILE + (4 * r + q) * 4);
+            const float pair[2][2] = {{x.x * scale, x.y * scale}, {x.z * scale, x.w * scale}};
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = row0 + r + 8 * hf;
+                if (row >= seq.seqlen_q()) continue;
+                u16* dst = seq.template q_row<u16>(p.dq, h, row) + c;
+                if (p.vec_ok && c + 1 < p.headdim) {
+                    *reinterpret_cast<u32*>(dst) = pack2<Elem>(pair[hf][0], pair[hf][1]);
+                } else {
+                    ElemTraits<Elem>::store(dst, pair[hf][0]);
+                    if (c + 1 < p.headdim) ElemTraits<Elem>::store(dst + 1, pair[hf][1]);
+                }
+            }
+        }
+        return;
+    }
     for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
-        const int e = LaneMajor ? j % 4 : j / 32 % 4, lane = LaneMajor ? j / 4 % 32 : j % 32;
+        const int e = j / 32 % 4, lane = j % 32;
         const int r = lane / 4 + (e >> 1) * 8, c = j / DQ_TILE * 8 + lane % 4 * 2 + (e & 1);
         strip[r * ld + c] = src[j];
     }
     __syncthreads();
-    const float scale = static_cast<float>(p.scale);
     for (int j = threadIdx.x; j < 16 * cols; j += blockDim.x) {
         const int r = j / cols, c = j % cols;
         if (row0 + r < seq.seqlen_q() && c < p.headdim)

@@ -62,6 +62,8 @@ LAUNCH_GROUP_WAVES = 8
 
 # Threads of bwd_convert_dq_kernel (up to its launch bound, 256: its loops stride by blockDim).
 DQ_CONVERT_THREADS = 256
+# cuda/bwd.cu's bwd_preprocess_kernel: rows and threads per block.
+PREPROCESS_ROWS, PREPROCESS_THREADS = 64, 256
 
 # C++ spelling of the element type of each dtype in the kernels' template names.
 ELEM = {"float16": "fp16", "bfloat16": "bf16", "float32": "float", "float64": "double"}
@@ -647,10 +649,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     h, hk = q.shape[2], k.shape[2]
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
     causal = spec.causal
-    rows = (_config.cdiv(sq, _config.GENERIC_WARPS), h, b)
     varlen = (str(_spec.SEQ_PACKED),) if spec.varlen else ()
-    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen), rows,
-            32 * _config.GENERIC_WARPS, 0, p[()])
+    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
+            (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, p[()])
     hopper = bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv,
                         deterministic=deterministic) == "sm90"
     if deterministic and (dq_accum is not None) != hopper:
@@ -662,7 +663,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
                                  f"tiles of {hd} columns")
         _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads)
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True, *varlen), (_config.cdiv(sq, 16), h, b),
-                DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
+                DQ_CONVERT_THREADS, 0, p[()])
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
@@ -706,7 +707,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         threads = 32 * _config.GENERIC_WARPS
         variant = spec.variant(band_at_run_time=True)
         _launch("generic.cu", template_name("generic_bwd_dq_kernel", elem, hd, variant),
-                rows, threads, smem, p[()], spec.user_mods)
+                (_config.cdiv(sq, _config.GENERIC_WARPS), h, b), threads, smem, p[()], spec.user_mods)
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, variant),
                 (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()],
                 spec.user_mods)

@@ -68,7 +68,8 @@ def test_kernel_parameters_match_numpy_dtype(filename, cname, dtype):
                     f"static_assert(LOG2E == {_config.LOG2E!r}f, \"LOG2E\");",
                     f"static_assert(USER_ARRAYS == {_launch.USER_ARRAYS} && USER_NDIM == "
                     f"{_launch.USER_NDIM}, \"USER_ARRAYS\");"]),
-    ("bwd.cu", [f"static_assert(PREPROCESS_WARPS == {_config.GENERIC_WARPS}, \"GENERIC_WARPS\");",
+    ("bwd.cu", [f"static_assert(PREPROCESS_ROWS == {_launch.PREPROCESS_ROWS} && PREPROCESS_THREADS == "
+                f"{_launch.PREPROCESS_THREADS}, \"PREPROCESS\");",
                 f"static_assert(DQ_CONVERT_THREADS == {_launch.DQ_CONVERT_THREADS}, "
                 f"\"DQ_CONVERT_THREADS\");",
                 f"static_assert(ACCUM_ALIGN == {_launch.VARLEN_ACCUM_ALIGN}, \"ACCUM_ALIGN\");",
