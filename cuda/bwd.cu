@@ -57,6 +57,8 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
     for (int r = group; r < PREPROCESS_ROWS; r += groups) {
         const int row = blockIdx.x * PREPROCESS_ROWS + r;
         const bool in = row < seq.seqlen_q();
+        // lse read with the row's loads, not after its sum: one memory round trip a turn.
+        const float lse = sizeof(S) == 2 && in && c0 == 0 ? *stat_ptr<const float>(p.lse, seq, h, row) : 0.f;
         Acc sum = 0;
         if (in) {
             const S* o = seq.template q_row<const S>(p.o, h, row);
@@ -78,8 +80,7 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
         for (int off = lanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (in && c0 == 0) {
             *stat_ptr<Acc>(p.dsum, seq, h, row) = sum;
-            if constexpr (sizeof(S) == 2)
-                *stat_ptr<float>(p.lse_log2, seq, h, row) = lse_log2(*stat_ptr<const float>(p.lse, seq, h, row));
+            if constexpr (sizeof(S) == 2) *stat_ptr<float>(p.lse_log2, seq, h, row) = lse_log2(lse);
         }
     }
 }
