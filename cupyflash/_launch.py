@@ -536,6 +536,13 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
     if block_mask is not None:
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=False, q=True)
     _check_lists(p, "q_blocks", keys, rows)
+    # K, V, two stages of Q and dO (`rows` rows); keys x rows tiles of dS^T (two steps') or 64
+    # x 64 of P^T and dS^T (wide); eight warps' fp32 dQ stages (16 rows x the warpgroup's dQ
+    # columns: hd at 128 rows, else hd / 2; none wide, whose stages are in Q and dO's tiles);
+    # 1 KB to align; then a user score_mod's staged gradients.
+    dq_cols = 0 if hd == 256 else hd if rows == 128 else hd // 2
+    smem = (2 * keys + 4 * rows) * hd * 2 + 2 * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
+    smem += _stage_grads(p["user"], user_grads, smem, _smem_limit() - SM90_BWD_STATIC_SMEM)
     tp = np.zeros((), BWD_SM90_PARAMS)
     grid = _tile_grid(p, _config.cdiv(sk, keys), hk, b, spec.causal)
     tp["base"] = p
@@ -545,14 +552,6 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
         tp["dq_order"] = order.data.ptr
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
         tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
-    # K, V, two stages of Q and dO (`rows` rows); keys x rows tiles of dS^T (two steps') or 64
-    # x 64 of P^T and dS^T (wide); eight warps' fp32 dQ stages (16 rows x the warpgroup's dQ
-    # columns: hd at 128 rows, else hd / 2; none wide, whose stages are in Q and dO's tiles);
-    # 1 KB to align.
-    dq_cols = 0 if hd == 256 else hd if rows == 128 else hd // 2
-    smem = (2 * keys + 4 * rows) * hd * 2 + 2 * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
-    smem += _stage_grads(p["user"], user_grads, smem, _smem_limit() - SM90_BWD_STATIC_SMEM)
-    tp["base"]["user"] = p["user"]
     name = (template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
             if hd == 256 else
             template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant()))
