@@ -207,20 +207,25 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     };
     // Turns: warpgroup wg issues its products after bar.sync on barrier 2 + wg (its 128
     // threads and the 128 of the one before it, which arrive), then hands the turn to the next
-    // with bar.arrive on that one's barrier; warpgroup 0 goes first in each tile. Every sync
-    // pairs with one arrival (the last warpgroup hands on no turn after its last products of
-    // a tile, and starts each tile with the arrival that lets warpgroup 0 go).
+    // with bar.arrive on that one's barrier; warpgroup 0 goes first in each tile. The last
+    // warpgroup hands the turn on after its last products of a tile too, so that warpgroup 0
+    // starts the next tile's products while the others finish this one and store O (else the
+    // tensor cores idled through the last warpgroup's epilogue at every tile). Every sync pairs
+    // with one arrival: the last warpgroup's first arrival opens the turns, and warpgroup 0
+    // takes the final hand-on when there is no tile left.
     auto my_turn = [&]() { named_bar_sync(2 + wg, 256); };
-    auto hand_on = [&](bool last) {
-        if (!(last && wg == Groups - 1)) named_bar_arrive(2 + (wg + 1) % Groups, 256);
-    };
+    auto hand_on = [&]() { named_bar_arrive(2 + (wg + 1) % Groups, 256); };
+    bool turns_started = false;   // the last warpgroup's first arrival has let warpgroup 0 go
 
     const bool store_thread = threadIdx.x % 128 == 0;   // issues its warpgroup's stores of O
     u16* myO = sO + wg * Halves * SubQ;
     for (int t = 0, g = 0;; ++t) {
         mbar_wait(&q_full, t & 1);
         const int w = *static_cast<volatile int*>(&tile_slot);
-        if (w < 0) break;
+        if (w < 0) {
+            if (wg == 0 && turns_started) my_turn();   // the last tile's final hand-on
+            break;
+        }
         const BlockCoord at = tile(w);
         const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
         const int h = at.head, row0 = at.tile * Br;
@@ -250,10 +255,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 
         if (kb.count > 0) {
             float alpha[2];
-            if (wg == Groups - 1) named_bar_arrive(2, 256);
+            if (wg == Groups - 1 && !turns_started) named_bar_arrive(2, 256);
+            turns_started = true;
             my_turn();
             issue_qk(g);
-            hand_on(false);
+            hand_on();
             wgmma_wait<0>();
             scores_landed(0);
             softmax_step(0, alpha);   // O is still zero: nothing to rescale
@@ -262,7 +268,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 my_turn();
                 issue_qk(g + it);
                 issue_pv(g + it - 1);
-                hand_on(false);
+                hand_on();
                 wgmma_wait<1>();
                 scores_landed(it);
                 const bool moved = softmax_step(it, alpha);
@@ -274,7 +280,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             }
             my_turn();
             issue_pv(g + kb.count - 1);
-            hand_on(true);
+            hand_on();
             wgmma_wait<0>();
             wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(acc));
             release(&v_empty[(g + kb.count - 1) % Stages]);
