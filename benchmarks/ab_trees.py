@@ -5,8 +5,9 @@ runs its own kernels), the trees interleaved rep by rep so that clock drift hits
     git archive HEAD cuda | tar -x -C /tmp && mv /tmp/cuda base    # a tree of a commit
     python benchmarks/ab_trees.py --reps 2 base=base new=cuda -- 128:2048:0:fwd,bwd 256:8192:1:fwd
 
-A cell is headdim:seqlen:causal(0/1):passes, at the bench's shapes (16K tokens, 2048 =
-heads x headdim). ``--peer`` adds cuDNN SDPA's rows once, in the first tree's first rep. The
+A cell is headdim:seqlen:causal(0/1):passes[:rule], at the bench's shapes (16K tokens, 2048 =
+heads x headdim); a rule of bench_variants.py (softcap, alibi, user_alibi, ...) times ours with
+it (its TFLOP/s counted as for plain attention). ``--peer`` adds cuDNN SDPA's rows once, in the first tree's first rep. The
 table gives TFLOP/s per rep for each tree; untracked trees in the repository root travel to
 the device machine with the working tree.
 """
@@ -23,15 +24,24 @@ def run_tree(tree, cells, dtype, reps, peer):
     from cupyflash import _compile
     _compile.CUDA_DIR = Path(tree).resolve()
     _compile.source.cache_clear()
+    from cupyflash import bench
     from cupyflash.bench import cases, peers
     rows = []
     for cell in cells:
-        d, s, causal, passes = cell.split(":")
+        d, s, causal, passes, *rule = cell.split(":")
         case = cases.Case.dense(int(s), int(d), causal == "1", dtype)
-        impls = ["cupyflash"] + (["sdpa_cudnn"] if peer else [])
-        for r in peers.compare(case, impls, tuple(passes.split(",")), reps=reps):
-            rows.append({k: r.get(k) for k in ("impl", "pass", "ms", "tflops", "error", "mismatch")}
-                        | {"cell": cell})
+        if rule:   # one of bench_variants.py's rules, ours only
+            import bench_variants as bv
+            runner = bv.OursWith(case, cases.input_sets(case), rule[0],
+                                 **bv.ours_keywords(rule[0], case.nheads, case.seqlen))
+            found = [bench.measure(runner, p, reps, memory=False) for p in passes.split(",")]
+            del runner
+            bench.release_memory()
+        else:
+            impls = ["cupyflash"] + (["sdpa_cudnn"] if peer else [])
+            found = peers.compare(case, impls, tuple(passes.split(",")), reps=reps)
+        rows += [{k: r.get(k) for k in ("impl", "pass", "ms", "tflops", "error", "mismatch")} | {"cell": cell}
+                 for r in found]
     return rows
 
 
