@@ -6,10 +6,11 @@ runs its own kernels), the trees interleaved rep by rep so that clock drift hits
     python benchmarks/ab_trees.py --reps 2 base=base new=cuda -- 128:2048:0:fwd,bwd 256:8192:1:fwd
 
 A cell is headdim:seqlen:causal(0/1):passes[:rule], at the bench's shapes (16K tokens, 2048 =
-heads x headdim); a rule of bench_variants.py (softcap, alibi, user_alibi, ...) times ours with
-it (its TFLOP/s counted as for plain attention). ``--peer`` adds cuDNN SDPA's rows once, in the first tree's first rep. The
-table gives TFLOP/s per rep for each tree; untracked trees in the repository root travel to
-the device machine with the working tree.
+heads x headdim); a rule of bench_variants.py's ours_keywords (softcap, alibi, user_alibi,
+window, ...) times ours with it (TFLOP/s counted as for plain attention). ``--peer`` adds
+cuDNN SDPA's rows once, in the first tree's first rep. The table gives TFLOP/s per rep for
+each tree; untracked trees in the repository root travel to the device machine with the
+working tree.
 """
 import argparse
 import json

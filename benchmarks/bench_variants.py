@@ -134,7 +134,7 @@ def ours_keywords(rule, nheads, seqlen=None):
         return dict(softcap=SOFTCAP, alibi_slopes=cp.asarray(alibi_slopes(nheads), cp.float32))
     if rule == "dropout":
         return dict(dropout_p=DROPOUT_P, seed=0)
-    if rule == "window":   # not among this script's rules (its window part has its own cases): ab_trees.py's
+    if rule == "window":   # for ab_trees.py's cells; the window part here builds its own calls
         return dict(window_size=WINDOW)
     return {}
 
