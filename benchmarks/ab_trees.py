@@ -35,7 +35,8 @@ def run_tree(tree, cells, dtype, reps, peer):
             import bench_variants as bv
             runner = bv.OursWith(case, cases.input_sets(case), rule[0],
                                  **bv.ours_keywords(rule[0], case.nheads, case.seqlen))
-            found = [bench.measure(runner, p, reps, memory=False) for p in passes.split(",")]
+            found = []
+            bv.timed(runner, passes.split(","), reps, rule[0], found)
             del runner
             bench.release_memory()
         else:
