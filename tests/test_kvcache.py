@@ -183,6 +183,15 @@ def test_gpu_chunked_prefill(d, causal, request):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [40, 120])
+def test_gpu_decode_head_dim_below_bucket(d, request):
+    """Head dims between the buckets (64 and 128 hold them): the kernels' columns past the
+    head dim, in Q, K and V alike, are zeros, with partial row tiles and splits."""
+    run_gpu("bf16", 3, 1, 8, 2, d, True, 16, 600, [5, 300, 598], 1, request, num_splits=2)
+    run_gpu("fp16", 2, 2, 4, 2, d, False, 0, 300, [0, 299], 1, request, causal=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["window", "softcap", "alibi"])
 def test_gpu_decode_variants(name, request):
     variant = {"window": {"window_size": (100, 0)}, "softcap": {"softcap": 5.0},
