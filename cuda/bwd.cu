@@ -28,6 +28,22 @@ __device__ __forceinline__ float lse_log2(float lse) {
     return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
 }
 
+// The fp32 dQ buffer: dQ of each (batch, head) in tiles of 16 rows x 8 columns, row-major,
+// each tile in the order of an mma accumulator (register e of lane L at e * 32 + L), so that
+// the 32 lanes adding one register write 128 contiguous bytes, one memory line, where a
+// row-major buffer spreads them over 8 rows. Tile (rt, ct) of (b, h) starts at float
+// (((b * nheads + h) * (dq_accum_rows / 16) + rt) * (dq_accum_cols / 8) + ct) * DQ_TILE.
+// The Hopper pass (bwd_sm90.cu) adds whole tiles by the copy engine from a stage that each
+// thread fills with one 16-byte store per tile: its tiles are lane-major (register e of lane
+// L at L * 4 + e).
+constexpr int DQ_TILE = 16 * 8;
+
+// The thread's lane in tile `tile` (rows 16 tile ..), column 0, of head h of seq's entry.
+template <typename Seq>
+__device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, const Seq& seq, int h, int tile, int lane) {
+    return p.dq_accum + seq.accum_tile(h, tile) * (p.dq_accum_cols / 8) * DQ_TILE + lane;
+}
+
 // Rows and threads per block of bwd_preprocess_kernel, and the largest block of
 // bwd_convert_dq_kernel (its loops stride by blockDim): the host launches them with
 // _launch.PREPROCESS_ROWS, PREPROCESS_THREADS and DQ_CONVERT_THREADS (tests/test_params.py).
@@ -35,7 +51,9 @@ constexpr int PREPROCESS_ROWS = 64, PREPROCESS_THREADS = 256;
 constexpr int DQ_CONVERT_THREADS = 256;
 
 // grid (ceil(seqlen_q / PREPROCESS_ROWS), nheads, batch). Writes D, and for the tensor-core
-// passes lse in log2 units (the plain kernels convert lse themselves). Each row's D by a group
+// passes lse in log2 units (the plain kernels convert lse themselves); where the pass adds dQ
+// into the fp32 buffer, zeroes the buffer's tiles of the block's rows (the buffer comes
+// uninitialized: its own memset cost a pass over it and a launch). Each row's D by a group
 // of lanes (the fewest, a power of two, whose 16-byte chunks cover the head dim, at most a
 // warp), each lane one 16-byte load of out and of dout per chunk where rows are 16-byte
 // aligned (element by element where not, and in a last partial chunk), the block's groups
@@ -83,22 +101,17 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
             if constexpr (sizeof(S) == 2) *stat_ptr<float>(p.lse_log2, seq, h, row) = lse_log2(lse);
         }
     }
-}
-
-// The fp32 dQ buffer: dQ of each (batch, head) in tiles of 16 rows x 8 columns, row-major,
-// each tile in the order of an mma accumulator (register e of lane L at e * 32 + L), so that
-// the 32 lanes adding one register write 128 contiguous bytes, one memory line, where a
-// row-major buffer spreads them over 8 rows. Tile (rt, ct) of (b, h) starts at float
-// (((b * nheads + h) * (dq_accum_rows / 16) + rt) * (dq_accum_cols / 8) + ct) * DQ_TILE.
-// The Hopper pass (bwd_sm90.cu) adds whole tiles by the copy engine from a stage that each
-// thread fills with one 16-byte store per tile: its tiles are lane-major (register e of lane
-// L at L * 4 + e).
-constexpr int DQ_TILE = 16 * 8;
-
-// The thread's lane in tile `tile` (rows 16 tile ..), column 0, of head h of seq's entry.
-template <typename Seq>
-__device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, const Seq& seq, int h, int tile, int lane) {
-    return p.dq_accum + seq.accum_tile(h, tile) * (p.dq_accum_cols / 8) * DQ_TILE + lane;
+    // The block's 16-row tiles that hold rows (those the convert kernel reads), one contiguous
+    // span of whole tiles in either tile order.
+    if (p.dq_accum != nullptr) {
+        constexpr int TILES = PREPROCESS_ROWS / 16;
+        const int tile0 = blockIdx.x * TILES, tiles = min(TILES, (seq.seqlen_q() + 15) / 16 - tile0);
+        if (tiles > 0) {
+            float4* span = reinterpret_cast<float4*>(dq_tile_lane(p, seq, h, tile0, 0));
+            const int n = tiles * 16 * p.dq_accum_cols / 4;
+            for (int i = threadIdx.x; i < n; i += PREPROCESS_THREADS) span[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
 }
 
 // grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads: one strip of

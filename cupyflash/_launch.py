@@ -803,14 +803,15 @@ def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num
 
 
 def dq_buffer(spec, block_mask, deterministic, q, k, v, out, dout, dq, dk, dv, packed=None):
-    """The zeroed fp32 dQ buffer (``dq_accum_shape``) the backward of this call adds into, or
-    None: dQ is added up in it in any order, or in key order where the Hopper pass runs
-    deterministic=True (else dQ has a pass of its own), and the plain kernels take none."""
+    """The fp32 dQ buffer (``dq_accum_shape``) the backward of this call adds into, or None:
+    dQ is added up in it in any order, or in key order where the Hopper pass runs
+    deterministic=True (else dQ has a pass of its own), and the plain kernels take none.
+    Uninitialized: ``backward``'s preprocess kernel zeroes the tiles the passes read."""
     import cupy
     if spec.dtype not in TENSOR_CORE or (deterministic and bwd_family(
             spec, block_mask, q, k, v, out, dout, dq, dk, dv, deterministic=True) != "sm90"):
         return None
-    return cupy.zeros(dq_accum_shape(q.shape, packed), cupy.float32)
+    return cupy.empty(dq_accum_shape(q.shape, packed), cupy.float32)
 
 
 def dq_accum_shape(shape, packed=None):
