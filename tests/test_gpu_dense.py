@@ -164,7 +164,8 @@ def _poison_cases():
 def test_every_output_element_is_written(case, deterministic, sparse, request):
     """Outputs are allocated on NaN-filled memory; any element the kernels skip shows as NaN.
     Covers both dQ passes, and a block mask with an empty block row and column (their rows of
-    out/lse and of dq, dk, dv must still be written: zeros, -inf)."""
+    out/lse and of dq, dk, dv must still be written: zeros, -inf). The fp32 dQ buffer lands on
+    NaN too: the preprocess kernel must zero every tile the passes read."""
     q, k, v, dout = make_inputs(case, seed_of(request))
     mask = None
     if sparse:
@@ -174,12 +175,14 @@ def test_every_output_element_is_written(case, deterministic, sparse, request):
         mask = cf.BlockMask.from_dense(grid, 64, seqlen_q=case.sq, seqlen_k=case.sk)
     acc = 8 if case.dtype == "fp64" else 4
     lse_bytes = case.batch * case.nheads * case.sq * acc
-    pool = _poisoned_pool(sorted({q.nbytes, k.nbytes, v.nbytes, lse_bytes, q.size * 4}))
+    dq_bytes = int(np.prod(_launch.dq_accum_shape(q.shape))) * 4
+    pool = _poisoned_pool(sorted({q.nbytes, k.nbytes, v.nbytes, lse_bytes, q.size * 4, dq_bytes}))
     scale = case.d ** -0.5
     with cp.cuda.using_allocator(pool.malloc):
-        probe = cp.empty(q.shape, q.dtype)
-        assert bool((probe.view(cp.uint8) == 255).all()), "test setup: the pool was not poisoned"
-        del probe
+        for shape, dtype in ((q.shape, q.dtype), (_launch.dq_accum_shape(q.shape), cp.float32)):
+            probe = cp.empty(shape, dtype)
+            assert bool((probe.view(cp.uint8) == 255).all()), "test setup: the pool was not poisoned"
+            del probe
         out, lse = cf.flash_attention(q, k, v, causal=case.causal, softmax_scale=scale,
                                       block_mask=mask, return_lse=True)
         dq, dk, dv = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cupyflash as cf
+from cupyflash import _launch
 from reference import attention_ref, attention_ref_backward, dropout_scale, random_array, rel_err
 
 F64_REL = 1e-12
@@ -292,13 +293,16 @@ def test_gpu_packed_is_bit_identical_to_dense_calls(causal, request, monkeypatch
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_gpu_packed_writes_every_output_element(dtype, request):
     """Outputs on NaN-filled memory (test_gpu_dense's poisoned pool): every row of out, lse,
-    dq, dk and dv is written, those of empty sequences included."""
+    dq, dk and dv is written, those of empty sequences included; the fp32 dQ buffer lands on
+    NaN too (each sequence's slice of it zeroed by the preprocess kernel)."""
     from gpu_checks import seed_of
     from test_gpu_dense import _poisoned_pool
     h, hk, d = 4, 2, 64
     q, k, v, dout, cq, ck = gpu_inputs(dtype, LENS_Q, LENS_K, h, hk, d, seed_of(request))
     acc = 4
-    pool = _poisoned_pool(sorted({q.nbytes, k.nbytes, v.nbytes, q.shape[0] * h * acc}))
+    accum = _launch.dq_accum_shape((1,) + q.shape, _launch.Packed(cq, ck, max(LENS_Q), max(LENS_K)))
+    pool = _poisoned_pool(sorted({q.nbytes, k.nbytes, v.nbytes, q.shape[0] * h * acc,
+                                  int(np.prod(accum)) * 4}))
     with cp.cuda.using_allocator(pool.malloc):
         out, lse = cf.flash_attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True)
         grads = cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, causal=True)
