@@ -175,11 +175,12 @@ def test_every_output_element_is_written(case, deterministic, sparse, request):
         mask = cf.BlockMask.from_dense(grid, 64, seqlen_q=case.sq, seqlen_k=case.sk)
     acc = 8 if case.dtype == "fp64" else 4
     lse_bytes = case.batch * case.nheads * case.sq * acc
-    dq_bytes = int(np.prod(_launch.dq_accum_shape(q.shape))) * 4
-    pool = _poisoned_pool(sorted({q.nbytes, k.nbytes, v.nbytes, lse_bytes, q.size * 4, dq_bytes}))
+    accum = _launch.dq_accum_shape(q.shape)
+    pool = _poisoned_pool(sorted({q.nbytes, k.nbytes, v.nbytes, lse_bytes, q.size * 4,
+                                  int(np.prod(accum)) * 4}))
     scale = case.d ** -0.5
     with cp.cuda.using_allocator(pool.malloc):
-        for shape, dtype in ((q.shape, q.dtype), (_launch.dq_accum_shape(q.shape), cp.float32)):
+        for shape, dtype in ((q.shape, q.dtype), (accum, cp.float32)):
             probe = cp.empty(shape, dtype)
             assert bool((probe.view(cp.uint8) == 255).all()), "test setup: the pool was not poisoned"
             del probe

@@ -1,0 +1,46 @@
+"""The README's Hopper table (ours / cuDNN SDPA TFLOP/s, bf16) is the benchmark JSON it names:
+every figure, the SDPA flash line under it and the fp16 remark, read from that file. No GPU:
+the JSON is a committed run."""
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQLENS = (2048, 8192, 16384)
+
+
+def _hopper_paragraph():
+    text = (ROOT / "README.md").read_text()
+    start = text.index("GPU; `python -m cupyflash bench` names the kernels of each of our rows.")
+    end = text.index("With `deterministic=True`", start)
+    return text[start:end]
+
+
+def _tflops(path):
+    rows = json.loads((ROOT / path).read_text())["rows"]
+    return {(r["impl"], r["pass"], r["dtype"], r["headdim"], r["causal"], r["seqlen"]): r["tflops"]
+            for r in rows if r.get("tflops")}
+
+
+def test_readme_hopper_figures_are_the_cited_run():
+    text = _hopper_paragraph()
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", text)
+    t = _tflops(path)
+    lines = re.findall(r"^- (forward|backward) d=(\d+): (.*?);?$", text, re.M)
+    assert len(lines) == 6
+    for pass_name, hd, rest in lines:
+        plain, causal = rest.split("; causal ")
+        for is_causal, cells in ((False, plain), (True, causal)):
+            pairs = [tuple(int(x) for x in c.split(" / ")) for c in cells.rstrip(";.").split(", ")]
+            assert len(pairs) == len(SEQLENS)
+            for s, (ours, cudnn) in zip(SEQLENS, pairs):
+                key = ({"forward": "fwd", "backward": "bwd"}[pass_name], "bfloat16", int(hd), is_causal, s)
+                assert (ours, cudnn) == (round(t[("cupyflash",) + key]), round(t[("sdpa_cudnn",) + key])), key
+    fwd, bwd = re.search(r"SDPA flash \(FlashAttention 2\) gives (\d+) forward and (\d+) backward at d=128 8K",
+                         text).groups()
+    assert (int(fwd), int(bwd)) == tuple(round(t[("sdpa_flash", p, "bfloat16", 128, False, 8192)])
+                                         for p in ("fwd", "bwd"))
+    (percent,) = re.findall(r"ours in fp16 up to ([\d.]+)% lower", text)
+    worst = max(1 - t[("cupyflash", p, "float16", hd, c, s)] / t[("cupyflash", p, "bfloat16", hd, c, s)]
+                for p in ("fwd", "bwd") for hd in (64, 128, 256) for c in (False, True) for s in SEQLENS)
+    assert round(100 * worst, 1) == float(percent)
