@@ -97,10 +97,10 @@ struct BwdSm90Barriers {
 // the copy engine bring the block's K and V (KeyTiles x Chunks sub-tiles of 64 keys x 64
 // columns) once and Q and dO (Chunks sub-tiles of Br rows) per step; its second warp copies
 // the steps' row statistics into sstat, so that the consumers hold no registers for them across
-// their products. Rows past seqlen_q take the last row's statistics where their Q and dO rows
-// are zeros (the copy engine's fill past the tensor: nothing of theirs reaches dK or dV); in a
-// packed batch they are the next sequence's rows, and with a user score_mod their dS would
-// reach its arrays' gradients: there they get lse = +inf (their probabilities 0).
+// their products. Rows past seqlen_q get lse = +inf: their probabilities are 0. (Their Q and dO
+// rows are zeros, the copy engine's fill past the tensor, or in a packed batch the next
+// sequence's rows; a neighbour's lse gave a zero score a probability of 2^-lse, which past
+// 65504 is inf in fp16's P and made dK and dV NaN through 0 * inf.)
 template <int Stages, int Br, int KeyTiles, int Chunks, typename V, typename Seq>
 __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const Seq& seq, const BwdSteps<V>& steps,
                                                  int col0, u16* sK, u16* sV, u16* sQ, u16* sdO, float2 (*sstat)[Br],
@@ -132,7 +132,7 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
         } else {
             for (int i = lane; i < Br; i += 32) {
                 const index_t at_row = seq.stat(h, min(m0 + i, seq.seqlen_q() - 1));
-                sstat[buf][i] = (V::Varlen || V::UserScore) && m0 + i >= seq.seqlen_q()
+                sstat[buf][i] = m0 + i >= seq.seqlen_q()
                                     ? make_float2(__int_as_float(0x7f800000), 0.f)
                                     : make_float2(static_cast<const float*>(p.lse_log2)[at_row],
                                                   static_cast<const float*>(p.dsum)[at_row]);

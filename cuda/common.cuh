@@ -10,6 +10,8 @@ typedef unsigned int u32;
 // Tags for the 16-bit element types; tensors of them are handled as raw u16.
 struct fp16 {};
 struct bf16 {};
+template <typename A, typename B> constexpr bool same_type = false;
+template <typename A> constexpr bool same_type<A, A> = true;
 
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int SMEM_PAD = 8;   // 16 bytes per smem row: rows start 4 banks apart (mirrors _config.SMEM_PAD)

@@ -116,7 +116,7 @@ __device__ __forceinline__ void stage_swizzled(u16* stage, int wrow, int lane, c
 // straight to memory. row0 is the stage's first row in the sequence.
 template <typename Elem, int Rows, int MT, int DT, int Chains, typename Seq>
 __device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const Seq& seq, int h, int row0,
-                                                   int wrow, int lane, OnlineSoftmax<2 * MT, Chains>& softmax, float mult,
+                                                   int wrow, int lane, OnlineSoftmax<2 * MT, Chains, Elem>& softmax, float mult,
                                                    const float (&acc)[MT][DT][4], u16* stage) {
     float inv_l[2 * MT], lse[2 * MT];
     softmax.finalize(mult, inv_l, lse);

@@ -236,8 +236,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[0][dt][e] = 0.f;
-        OnlineSoftmax<2, 4> softmax;
-        softmax.init();
+        OnlineSoftmax<2, 4, Elem> softmax;
+        // The fixed base (softmax.cuh) only above 128 columns: at 64 and 128 its second sum
+        // per score cost more than the max it saves (benchmarks/NOTES.md).
+        softmax.init(HeadDim > 128 && mod.bounded());
         // Scores of block `it` (landed in s) to probabilities; true where O needs rescaling.
         auto softmax_step = [&](int it, float (&alpha)[2]) {
             const int n0 = kb.block(it) * Bc;

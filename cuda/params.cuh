@@ -38,6 +38,7 @@ struct ScoreParams {
     int alibi_stride;        // nheads, or 0 for one row of slopes shared by the batch
     float alibi_unit;        // -log2(e) / ScoreMod::mult: a slope to a bias in held units
     float scale;             // the softmax scale in float: a user score_mod's score is q.k * scale
+    int bounded;             // softcap alone, within range: the softmax's base is fixed (ScoreMod::bounded)
 };
 
 // Dropout of a Variant with Dropout (dropout.cuh, philox.cuh).

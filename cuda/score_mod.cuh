@@ -36,6 +36,14 @@ struct ScoreMod {
         return V::UserScore ? LOG2E : V::Softcap ? p.mod.softcap_log2 : p.scale_log2;
     }
 
+    // The held values are at most 1 (softcap's tanh with no bias after it), so the online
+    // softmax may keep the fixed base 0 instead of a running max: no max to reduce before the
+    // exponentials and no rescaling of O. The host allows it where p = exp2(t * mult) stays
+    // well inside the range of the kernel's P (cupyflash/_launch.py, BOUNDED_LOG2).
+    __device__ __forceinline__ bool bounded() const {
+        return V::Softcap && !V::Alibi && !V::UserScore && p.mod.bounded;
+    }
+
     // Select the slopes of (batch b, head h).
     __device__ __forceinline__ void at_head(int batch, int head) {
         b = batch;

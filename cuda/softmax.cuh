@@ -6,6 +6,12 @@
 // for raw scores) turning them into log2 units, p = exp2(s * mult - m * mult), and the stored
 // log-sum-exp is in natural log: lse = (m * mult + log2(l)) / log2(e) (-inf for a row that
 // sees no key).
+//
+// Where the scores are bounded above (ScoreMod::bounded) and P is bf16, m stays at the fixed
+// base 0: p = exp2(s * mult), with no max reduced before the exponentials and no rescaling.
+// The row's largest p is then not exactly 1, so its rounding to bf16 no longer cancels in
+// O / l (a row with one key would be off by that rounding): O is divided by the sum of the
+// rounded p (lr) that multiplied V, and the lse keeps the sum of the exact ones (l).
 #pragma once
 #include "common.cuh"
 
@@ -31,14 +37,18 @@ __device__ __forceinline__ float chained_reduce(Get&& get, Op&& op) {
 // forward, where one warp per scheduler runs its softmax while the other's products run and
 // the chains' latency shows); 1: element after element (the generic kernels, whose other
 // warps hide it).
-template <int Rows, int Chains = 1>
+// P: the 16-bit type the probabilities are rounded to before they multiply V.
+template <int Rows, int Chains = 1, typename P = fp16>
 struct OnlineSoftmax {
-    float m[Rows];   // running max of the raw scores of the row
-    float l[Rows];   // this thread's part of the running sum (quad-reduced in finalize)
+    float m[Rows];    // running max of the raw scores of the row (0 where fixed)
+    float l[Rows];    // this thread's part of the running sum (quad-reduced in finalize)
+    float lr[Rows];   // where fixed: its part of the sum of the p as rounded to P
+    bool fixed;       // the base is 0 throughout (compile-time false but for softcap in bf16)
 
-    __device__ __forceinline__ void init() {
+    __device__ __forceinline__ void init(bool bounded = false) {
+        fixed = same_type<P, bf16> && bounded;
 #pragma unroll
-        for (int r = 0; r < Rows; ++r) { m[r] = neg_inf(); l[r] = 0.f; }
+        for (int r = 0; r < Rows; ++r) { m[r] = fixed ? 0.f : neg_inf(); l[r] = lr[r] = 0.f; }
     }
 
     // s: scores of one key block as mma accumulators [MT][NT][4] (elements 0,1 belong to
@@ -48,6 +58,8 @@ struct OnlineSoftmax {
     template <int MT, int NT, int DT>
     __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
                                            float mult) {
+        if constexpr (same_type<P, bf16>)
+            if (fixed) return exponentiate_fixed(s, mult);
         float alpha[Rows], base[Rows];
         if (new_max(s, mult, alpha, base)) rescale(acc, alpha);
         exponentiate(s, mult, base);
@@ -58,6 +70,11 @@ struct OnlineSoftmax {
     // whether acc needs rescale(acc, alpha) before it is accumulated into again.
     template <int MT, int NT>
     __device__ __forceinline__ bool step(float (&s)[MT][NT][4], float mult, float (&alpha)[Rows]) {
+        if constexpr (same_type<P, bf16>)
+            if (fixed) {
+                exponentiate_fixed(s, mult);
+                return false;
+            }
         float base[Rows];
         const bool moved = new_max(s, mult, alpha, base);
         exponentiate(s, mult, base);
@@ -134,6 +151,40 @@ struct OnlineSoftmax {
         }
     }
 
+    // p = exp2(s * mult) rounded to bf16 (as it will multiply V: the top half of its float),
+    // added to lr, and the exact p to l; a row's pairs in Chains interleaved chains.
+    template <int MT, int NT>
+    __device__ __forceinline__ void exponentiate_fixed(float (&s)[MT][NT][4], float mult) {
+        static_assert(same_type<P, bf16>, "the fixed base is bf16's");
+        constexpr int C = Chains < NT ? Chains : NT;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float exact[C], rounded[C];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float& a = s[mt][nt][2 * hf];
+                    float& b = s[mt][nt][2 * hf + 1];
+                    const float pa = fast_exp2(a * mult), pb = fast_exp2(b * mult);
+                    const u32 both = pack2<P>(pa, pb);
+                    a = __uint_as_float(both << 16);
+                    b = __uint_as_float(both & 0xffff0000u);
+                    exact[nt % C] = nt < C ? pa + pb : exact[nt % C] + (pa + pb);
+                    rounded[nt % C] = nt < C ? a + b : rounded[nt % C] + (a + b);
+                }
+#pragma unroll
+                for (int w = 1; w < C; w *= 2)
+#pragma unroll
+                    for (int i = 0; i + w < C; i += 2 * w) {
+                        exact[i] += exact[i + w];
+                        rounded[i] += rounded[i + w];
+                    }
+                l[2 * mt + hf] += exact[0];
+                lr[2 * mt + hf] += rounded[0];
+            }
+    }
+
     // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the
     // natural-log lse into lse_out. Only a sum of exactly 0 is a row without keys: a NaN sum
     // (NaN in q or k, a +inf score) keeps out and lse NaN rather than passing for empty.
@@ -142,8 +193,10 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int r = 0; r < Rows; ++r) {
             const float sum = quad_sum(l[r]);
+            // Every lane shuffles (quad_sum): a row without keys must not skip it.
+            const float norm = fixed ? quad_sum(lr[r]) : sum;
             const bool empty = sum == 0.f;
-            inv_l[r] = empty ? 0.f : 1.f / sum;
+            inv_l[r] = empty ? 0.f : 1.f / norm;
             lse_out[r] = empty ? neg_inf() : (m[r] * mult + log2f(sum)) / LOG2E;
         }
     }

@@ -98,11 +98,12 @@ class Variant:
         return dict(window_size=self.window_size, softcap=self.softcap, alibi_slopes=slopes)
 
 
-def check_case(xp, case, f64_rel=F64_REL, deterministic=False):
+def check_case(xp, case, f64_rel=F64_REL, deterministic=False, inputs=None):
     """Forward and backward of ``case`` on ``xp`` arrays through the public API, against the
     float64 reference: shapes and dtypes, lse -inf exactly where the reference has it, no NaN,
-    and the tolerance of the module docstring (``f64_rel`` for float64)."""
-    q, k, v, dout, slopes = case.inputs(xp)
+    and the tolerance of the module docstring (``f64_rel`` for float64). ``inputs``: (q, k, v,
+    dout, slopes) to use instead of the case's random ones."""
+    q, k, v, dout, slopes = case.inputs(xp) if inputs is None else inputs
     variant = case.keywords(slopes)
     out, lse = cf.flash_attention(q, k, v, causal=case.causal, return_lse=True, **variant)
     grads = cf.flash_attention_backward(dout, q, k, v, out, lse, causal=case.causal,
@@ -206,6 +207,54 @@ def test_variant_matches_reference_on_gpu(case, deterministic):
     if deterministic and case.dtype not in ("float16", "bfloat16"):
         pytest.skip("the plain kernels have one backward")
     check_case(cupy, case, f64_rel=FP64_RTOL, deterministic=deterministic)
+
+
+def saturating_inputs(xp, case):
+    """q, k, v, dout for ``case`` (no slopes) whose scores reach far past +-softcap: every key
+    is a positive multiple (0.5 to 4) of one direction u, every query a multiple f of u with f
+    in [-12, 12] times softcap / scale, so that a row's scores all sit near -softcap, all near
+    +softcap, or in between (plus noise of 0.1)."""
+    rng = np.random.default_rng(case.seed)
+    u = rng.standard_normal(case.d)
+    u /= np.linalg.norm(u)
+    along = lambda coef: coef[..., None] * u   # noqa: E731
+    k = along(rng.uniform(0.5, 4.0, (case.batch, case.sk, case.nheads_k)))
+    f = rng.uniform(-12.0, 12.0, (case.batch, case.sq, case.nheads)) * case.softcap / case.scale
+    q = along(f)
+    v = rng.standard_normal(k.shape)
+    dout = rng.standard_normal(q.shape)
+    arrays = [(a + 0.1 * rng.standard_normal(a.shape)).astype(np_dtype(case.dtype))
+              for a in (q, k)] + [a.astype(np_dtype(case.dtype)) for a in (v, dout)]
+    return (*(xp.asarray(a) for a in arrays), None)
+
+
+# bf16 calls with softcap alone run the softmax on a fixed base where softcap * log2(e) <= 64
+# (cupyflash/_launch.py, BOUNDED_LOG2): p from 2^-64 to 2^64. 44 is near that end, 50 past it
+# (the running max), 0.05 the other end; fp16 always keeps the running max. The rows near
+# -softcap have lse near -softcap: fp16 at 44 and 50 made dk and dv NaN when the Hopper
+# backward gave the query rows past the end (a tile's tail) the last row's lse.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("softcap", [0.05, 44.0, 50.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap_scores_at_both_ends_of_the_cap_on_gpu(dtype, softcap, causal):
+    import cupy
+    from gpu_checks import FP64_RTOL
+    case = Variant(2, 200, 300, 4, 2, 128, causal=causal, softcap=softcap, dtype=dtype, seed=31)
+    check_case(cupy, case, f64_rel=FP64_RTOL, inputs=saturating_inputs(cupy, case))
+
+
+@pytest.mark.parametrize("dtype,softcap,alibi,fixed", [
+    ("bfloat16", 30.0, False, True), ("bfloat16", 44.3, False, True),
+    ("bfloat16", 44.4, False, False), ("bfloat16", 30.0, True, False),
+    ("bfloat16", 0.0, False, False), ("float16", 30.0, False, False),
+    ("float16", 1.0, False, False)])
+def test_which_calls_take_the_fixed_softmax_base(dtype, softcap, alibi, fixed):
+    from cupyflash import _launch, _spec
+    q = np.zeros((1, 8, 2, 64), np_dtype(dtype))
+    spec = _spec.CallSpec.of(q, causal=False, softcap=softcap,
+                             alibi_slopes=np.ones(2, np.float32) if alibi else None)
+    assert _launch.fixed_softmax_base(spec) == fixed
 
 
 def test_the_table_covers_every_combination():
