@@ -25,8 +25,8 @@ SCORE_PARAMS = np.dtype([("softcap", np.float64), ("softcap_in", np.float32),
                          ("softcap_log2", np.float32), ("alibi", np.uint64),
                          ("alibi_stride", np.int32), ("alibi_unit", np.float32),
                          ("scale", np.float32), ("bounded", np.int32)], align=True)
-# The widest softcap * log2(e) whose bf16 calls run the softmax with a fixed base
-# (fixed_softmax_base).
+# The widest softcap * log2(e) whose bf16 calls may run the softmax with a fixed base
+# (bounded_scores).
 BOUNDED_LOG2 = 64.0
 # cuda/params.cuh's UserParams: arrays per call and dimensions per array.
 USER_ARRAYS, USER_NDIM = 8, 4
@@ -125,9 +125,10 @@ def _dims(q, k, layout):
     return layout.batch, layout.max_seqlen_q, layout.max_seqlen_k
 
 
-def fixed_softmax_base(spec):
-    """Whether the kernels' softmax takes the fixed base 0 instead of a running max
-    (cuda/score_mod.cuh, ScoreMod::bounded): softcap alone holds tanh values in [-1, 1], and
+def bounded_scores(spec):
+    """Whether the call's scores let the kernels' softmax keep the fixed base 0 instead of a
+    running max (cuda/score_mod.cuh, ScoreMod::bounded; the Hopper forward takes it above head
+    dim 128, cuda/fwd_sm90.cu): softcap alone holds tanh values in [-1, 1], and
     p = exp2(t * softcap * log2(e)) then spans 2^-m .. 2^m with m = softcap * log2(e). bf16's
     P (8 exponent bits) and the fp32 sums hold that with room while m <= BOUNDED_LOG2: a row's
     largest p is at least 2^-64, its sum at most seqlen_k * 2^64. fp16's P (5 bits) would not."""
@@ -167,7 +168,7 @@ def _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout, layout=None):
         mod["softcap"] = spec.softcap
         mod["softcap_in"] = scale / spec.softcap
         mult = mod["softcap_log2"] = spec.softcap * _config.LOG2E
-        mod["bounded"] = fixed_softmax_base(spec)
+        mod["bounded"] = bounded_scores(spec)
     if alibi_slopes is not None:
         mod["alibi"] = alibi_slopes.data.ptr
         mod["alibi_stride"] = alibi_slopes.strides[0] // 4 if alibi_slopes.ndim == 2 else 0

@@ -249,12 +249,12 @@ def test_softcap_scores_at_both_ends_of_the_cap_on_gpu(dtype, softcap, causal):
     ("bfloat16", 44.4, False, False), ("bfloat16", 30.0, True, False),
     ("bfloat16", 0.0, False, False), ("float16", 30.0, False, False),
     ("float16", 1.0, False, False)])
-def test_which_calls_take_the_fixed_softmax_base(dtype, softcap, alibi, fixed):
+def test_which_calls_have_bounded_scores(dtype, softcap, alibi, fixed):
     from cupyflash import _launch, _spec
     q = np.zeros((1, 8, 2, 64), np_dtype(dtype))
     spec = _spec.CallSpec.of(q, causal=False, softcap=softcap,
                              alibi_slopes=np.ones(2, np.float32) if alibi else None)
-    assert _launch.fixed_softmax_base(spec) == fixed
+    assert _launch.bounded_scores(spec) == fixed
 
 
 def test_the_table_covers_every_combination():
