@@ -166,14 +166,18 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
 }
 
 // lse (log2 units) and D of rows [row0, row0 + Rows) into sStats[0, Rows) and
-// sStats[Rows, 2 Rows) by cp.async, so that the loads land under the math; rows past the end
-// read 0, harmless since their dO rows are zero.
-template <int Rows, int Threads, typename Seq>
+// sStats[Rows, 2 Rows) by cp.async, so that the loads land under the math. Rows past the end
+// read 0: their zero scores then have p = 2^mod(0), at most 1 for the built-in mods. A user
+// score_mod can lift it past fp16's range (inf * 0 made dK, dV and the mod's array gradients
+// NaN), so with one (Hide) those rows get lse = +inf, probability 0.
+template <int Rows, int Threads, bool Hide, typename Seq>
 __device__ __forceinline__ void load_row_stats(const BwdParams& p, const Seq& seq, float* sStats, int h, int row0) {
     static_assert(2 * Rows <= Threads, "one value per thread");
     const int r = threadIdx.x % Rows, row = row0 + r;
     const bool in = row < seq.seqlen_q();
-    if (threadIdx.x < 2 * Rows) {
+    if (Hide && threadIdx.x < Rows && !in) {
+        sStats[threadIdx.x] = __int_as_float(0x7f800000);
+    } else if (threadIdx.x < 2 * Rows) {
         const float* src = stat_ptr<float>(threadIdx.x < Rows ? p.lse_log2 : p.dsum,
                                             seq, h, in ? row : 0);
         cp_async_4(smem_addr(sStats + threadIdx.x), src, in ? 4 : 0);
@@ -355,7 +359,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                                         seq.seqlen_q() - m0, p.headdim, vec_ok);
         load_tile<Br, HeadDim, Threads>(sQ + Br * LD, seq.template q_row<const u16>(p.dout, h, m0), p.dout.row_stride,
                                         seq.seqlen_q() - m0, p.headdim, vec_ok);
-        load_row_stats<Br, Threads>(p, seq, stats_of(buf), h, m0);
+        load_row_stats<Br, Threads, V::UserScore>(p, seq, stats_of(buf), h, m0);
     };
     if constexpr (V::UserScore) stage_user_grads<false>(p.user, threadIdx.x, blockDim.x);   // before the loop's first barrier
     Step cur = settle(Step{0, 0, blocks_of(0)});

@@ -140,49 +140,39 @@ struct OnlineSoftmax {
                     s[mt][nt][e] = p;
                     if constexpr (Chains == 1) l[r] += p;
                 }
-        if constexpr (Chains > 1) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf)
-                    l[2 * mt + hf] += chained_reduce<Chains, NT>(
-                        [&](int nt) { return s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1]; },
-                        [](float a, float b) { return a + b; });
-        }
+        if constexpr (Chains > 1) add_row_sums(s, l);
     }
 
-    // p = exp2(s * mult) rounded to bf16 (as it will multiply V: the top half of its float),
-    // added to lr, and the exact p to l; a row's pairs in Chains interleaved chains.
+    // Each row's sum over s, a pair at a time in Chains interleaved chains, added to sum.
     template <int MT, int NT>
-    __device__ __forceinline__ void exponentiate_fixed(float (&s)[MT][NT][4], float mult) {
-        static_assert(same_type<P, bf16>, "the fixed base is bf16's");
-        constexpr int C = Chains < NT ? Chains : NT;
+    __device__ __forceinline__ void add_row_sums(const float (&s)[MT][NT][4], float (&sum)[Rows]) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                float exact[C], rounded[C];
+            for (int hf = 0; hf < 2; ++hf)
+                sum[2 * mt + hf] += chained_reduce<Chains, NT>(
+                    [&](int nt) { return s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1]; },
+                    [](float a, float b) { return a + b; });
+    }
+
+    // p = exp2(s * mult), its exact sum added to l; then p rounded to bf16 (as it will
+    // multiply V: the top half of its float) and the rounded sum added to lr.
+    template <int MT, int NT>
+    __device__ __forceinline__ void exponentiate_fixed(float (&s)[MT][NT][4], float mult) {
+        static_assert(same_type<P, bf16>, "the fixed base is bf16's");
+        const float base[Rows] = {};
+        exponentiate(s, mult, base);
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    float& a = s[mt][nt][2 * hf];
-                    float& b = s[mt][nt][2 * hf + 1];
-                    const float pa = fast_exp2(a * mult), pb = fast_exp2(b * mult);
-                    const u32 both = pack2<P>(pa, pb);
-                    a = __uint_as_float(both << 16);
-                    b = __uint_as_float(both & 0xffff0000u);
-                    exact[nt % C] = nt < C ? pa + pb : exact[nt % C] + (pa + pb);
-                    rounded[nt % C] = nt < C ? a + b : rounded[nt % C] + (a + b);
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2) {
+                    const u32 both = pack2<P>(s[mt][nt][e], s[mt][nt][e + 1]);
+                    s[mt][nt][e] = __uint_as_float(both << 16);
+                    s[mt][nt][e + 1] = __uint_as_float(both & 0xffff0000u);
                 }
-#pragma unroll
-                for (int w = 1; w < C; w *= 2)
-#pragma unroll
-                    for (int i = 0; i + w < C; i += 2 * w) {
-                        exact[i] += exact[i + w];
-                        rounded[i] += rounded[i + w];
-                    }
-                l[2 * mt + hf] += exact[0];
-                lr[2 * mt + hf] += rounded[0];
-            }
+        add_row_sums(s, lr);
     }
 
     // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the

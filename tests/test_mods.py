@@ -622,11 +622,13 @@ class GpuCase:
     d: int
     causal: bool
     mods: str               # "t5", "doc" or "both"
+    shift: float = 0.0      # added to every entry of the T5 bias table
 
     @property
     def id(self):
         return (f"{self.dtype}-{self.mods}-b{self.batch}-q{self.sq}-k{self.sk}-h{self.nheads}"
-                f"k{self.nheads_k}-d{self.d}-{'causal' if self.causal else 'full'}")
+                f"k{self.nheads_k}-d{self.d}-{'causal' if self.causal else 'full'}"
+                + (f"-shift{self.shift:g}" if self.shift else ""))
 
     @property
     def seed(self):
@@ -645,6 +647,11 @@ GPU_CASES += [GpuCase(dtype, 1, 333, 200, 6, 2, 96, True, "both")
 # large for its shared memory (the gradient added by global atomics, not staged).
 GPU_CASES += [GpuCase("bfloat16", 2, 200, 129, 4, 2, 256, True, "both"),
               GpuCase("float16", 1, 1100, 1200, 4, 2, 128, False, "t5")]
+# Every score lifted by 20 in fp16, with query rows past the last tile's end (the tail): a
+# zero score of such a row must not become a probability (e^20 is inf in fp16's P).
+SHIFTED = [GpuCase("float16", 2, 100, 130, 2, 2, 64, causal, "t5", shift=20.0)
+           for causal in (False, True)]
+GPU_CASES += SHIFTED
 
 
 def _gpu_mods(case, xp, bias, doc):
@@ -668,7 +675,7 @@ def check_gpu_case(case, deterministic, monkeypatch):
     q, k, v, dout = (cupy.asarray(x) for x in host)
     W = max(case.sq, case.sk)
     rng = np.random.default_rng(case.seed + 5)
-    bias = (0.5 * rng.standard_normal((case.nheads, 2 * W))).astype(np.float32)
+    bias = (case.shift + 0.5 * rng.standard_normal((case.nheads, 2 * W))).astype(np.float32)
     doc = doc_ids([60, 140, 100, 100], batch=case.batch, seed=case.seed)[:, :W]
     score, mask = _gpu_mods(case, cupy, bias, doc)
     kw = dict(causal=case.causal, score_mod=score, mask_mod=mask)
@@ -746,6 +753,13 @@ def test_mods_match_numpy_path_on_gpu(case, deterministic, monkeypatch):
     if deterministic and case.dtype not in ("float16", "bfloat16"):
         pytest.skip("the plain kernels have one backward")
     check_gpu_case(case, deterministic, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in SHIFTED])
+def test_shifted_scores_on_the_generic_kernels_on_gpu(case, monkeypatch):
+    monkeypatch.setenv("CUPYFLASH_KERNELS", "generic")
+    check_gpu_case(case, False, monkeypatch)
 
 
 @pytest.mark.gpu
