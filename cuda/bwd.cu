@@ -112,6 +112,9 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
             for (int i = threadIdx.x; i < n; i += PREPROCESS_THREADS) span[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
+    // The Hopper pass's count of finished dK/dV blocks of this (batch, kv head) starts at 0.
+    if (p.dq_done != nullptr && blockIdx.x == 0 && h % p.group == 0 && threadIdx.x == 0)
+        p.dq_done[blockIdx.z * p.nheads_k + h / p.group] = 0;
 }
 
 // grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads: one strip of
@@ -131,6 +134,17 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     const float* src = dq_tile_lane(p, seq, h, blockIdx.x, 0);
     const float scale = static_cast<float>(p.scale);
     if constexpr (LaneMajor) {
+        // Launched as the Hopper pass's programmatic dependent, the kernel may start beside
+        // that pass's last blocks: it waits until every dK/dV block of its (batch, kv head)
+        // has finished, and with them every add into its rows.
+        if (p.dq_done != nullptr) {
+            if (threadIdx.x == 0) {
+                const int* done = p.dq_done + blockIdx.z * p.nheads_k + h / p.group;
+                while (ld_acquire(done) < p.dq_done_target) {
+                }
+            }
+            __syncthreads();
+        }
         const int tiles = cols / 8;
         for (int i = threadIdx.x; i < 8 * tiles * 4; i += blockDim.x) {
             const int q = i % 4, ct = i / 4 % tiles, r = i / (4 * tiles), c = ct * 8 + 2 * q;

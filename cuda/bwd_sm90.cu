@@ -293,6 +293,21 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
     return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
 }
 
+// The dQ convert kernel runs as this pass's programmatic dependent (launch_dependents at the
+// start of every block) and waits per (batch, kv head) until all of its blocks have counted
+// themselves in p.dq_done. A block counts once all its writes are complete, the dQ adds and
+// dK, dV alike, so that the convert's end also means the pass's. count_block_done by one
+// thread; block_done by every consumer thread at the end (each warp's lane 0 has waited for
+// its bulk adds and the storing threads for their bulk stores).
+__device__ __forceinline__ void count_block_done(const BwdParams& p, const BlockCoord& at) {
+    if (p.dq_done != nullptr) red_release_add(p.dq_done + at.batch * p.nheads_k + at.head, 1);
+}
+__device__ __forceinline__ void block_done(const BwdParams& p, const BlockCoord& at) {
+    fence_proxy_async_all();
+    named_bar_sync(6, 256);
+    if (threadIdx.x == 0) count_block_done(p, at);
+}
+
 // The counter of the query block from row 64 m of head h (tp.dq_order: batch, nheads, 64-row
 // blocks).
 __device__ __forceinline__ index_t dq_order_at(const BwdParams& p, int b, int h, int m) {
@@ -329,11 +344,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     float* sdQ = reinterpret_cast<float*>(sdSt + 2 * 2 * Br * 64);
 
     // Causal: the first key blocks are seen by the most queries.
+    launch_dependents();
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     const int n_tile = at.tile, col0 = n_tile * Bc;
-    if (V::Varlen && col0 >= seq.seqlen_k()) return;   // past a packed sequence's end
+    if (V::Varlen && col0 >= seq.seqlen_k()) {   // past a packed sequence's end
+        if (threadIdx.x == 0) count_block_done(p, at);
+        return;
+    }
     Mask<V, BwdParams> mask(p);
     mask.at_batch(at.batch);
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
@@ -533,6 +552,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         copy_stage_rows<Halves, 128>(stV, seq.template k_row<u16>(p.dv, at.head, my_col0), p.dv.row_stride, rows,
                                      p.headdim, tid);
     }
+    block_done(p, at);
 }
 
 // The dK/dV pass at head dim 256 (buckets 160 to 256), where one warpgroup's dK and dV for 64
@@ -570,11 +590,15 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sPt = sdO + Stages * Chunks * Sub;
     u16* sdSt = sPt + Sub;
 
+    launch_dependents();
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     const int n_tile = at.tile, col0 = n_tile * Bc;
-    if (V::Varlen && col0 >= seq.seqlen_k()) return;   // past a packed sequence's end
+    if (V::Varlen && col0 >= seq.seqlen_k()) {   // past a packed sequence's end
+        if (threadIdx.x == 0) count_block_done(p, at);
+        return;
+    }
     Mask<V, BwdParams> mask(p);
     mask.at_batch(at.batch);
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
@@ -747,4 +771,5 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         copy_stage_rows<2, 128>(stV, seq.template k_row<u16>(p.dv, at.head, col0) + HeadDim / 2 * wg,
                                 p.dv.row_stride, rows, cols, tid);
     }
+    block_done(p, at);
 }

@@ -222,3 +222,13 @@ __device__ __forceinline__ void store_tile(const u16* tile, u16* gbase, index_t 
         }
     });
 }
+
+// ---- Counters in global memory between blocks, at GPU scope.
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}

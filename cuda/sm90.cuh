@@ -62,18 +62,12 @@ __device__ __forceinline__ void st_shared(u32 addr, float a, float b, float c, f
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
-// ---- Counters in global memory between blocks, at GPU scope.
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void red_release_add(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 // Orders this thread's accesses to memory of every state space with the copy engine's (the
 // async proxy's).
 __device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;" ::: "memory"); }
+// Lets the grid launched after this one as its programmatic dependent (_launch's `dependent`)
+// start once every block of this grid has executed it (or exited); a no-op otherwise.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all, some of which only
 // arrive. Two warpgroups take turns with them.

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _compile, _config, _spec, _tma
+from . import _arrays, _compile, _config, _driver, _spec, _tma
 from ._compile import get_kernel, template_name
 
 
@@ -49,7 +49,8 @@ FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
                          ("cache", CACHE_PARAMS)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
                       + [("lse", np.uint64), ("dsum", np.uint64), ("lse_log2", np.uint64), ("dq_accum", np.uint64),
-                         ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32)]
+                         ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32),
+                         ("dq_done", np.uint64), ("dq_done_target", np.int32)]
                       + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST),
                                  ("user", USER_PARAMS), ("varlen", VARLEN_PARAMS)], align=True)
 # cuda/seqinfo.cuh's ACCUM_ALIGN: packed sequences' slices of the fp32 dQ buffer start at
@@ -258,12 +259,18 @@ def _user_tile(pass_, spec, smem_limit, limits, deterministic, name_of, device_i
     return _USER_TILES[key]
 
 
-def _launch(filename, name, grid, threads, smem, params, user_mods=""):
+def _launch(filename, name, grid, threads, smem, params, user_mods="", dependent=False):
     """Launch template instantiation ``name`` of ``cuda/<filename>``, with the call's user
-    mods (``mods.prelude``) spliced into its source."""
+    mods (``mods.prelude``) spliced into its source. ``dependent``: as the programmatic
+    dependent of the kernel before it in the stream (sm_90), which may then start it once
+    each of its blocks has run ``launch_dependents`` (cuda/sm90.cuh), beside its last ones:
+    the kernel waits for what it reads itself."""
     import cupy
     kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem,
                      _compile.ARCH_SPECIFIC.get(filename))
+    if dependent and _driver.launch_dependent(getattr(kernel, "kernel", kernel).ptr, grid, threads, smem,
+                                              cupy.cuda.get_current_stream().ptr, params):
+        return
     kernel(grid, (threads,), (params,), shared_mem=smem)
 
 
@@ -664,10 +671,16 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
     causal = spec.causal
     varlen = (str(_spec.SEQ_PACKED),) if spec.varlen else ()
-    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
-            (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, p[()])
     hopper = bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv,
                         deterministic=deterministic) == "sm90"
+    if dq_accum is not None and hopper:
+        # The Hopper pass's blocks per (batch, kv head), counted by the convert kernel
+        # (BwdParams.dq_done, zeroed by the preprocess).
+        import cupy
+        done = cupy.empty(b * hk, np.int32)
+        p["dq_done"], p["dq_done_target"] = done.data.ptr, _config.cdiv(sk, sm90_bwd_keys(sm90_bwd_headdim(hd)))
+    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
+            (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, p[()])
     if deterministic and (dq_accum is not None) != hopper:
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
     if dq_accum is not None and hopper:
@@ -676,8 +689,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
         _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads)
+        # Beside the pass's last blocks: at 16K tokens x 2048 it reads 128 MiB (~60 us on the
+        # H200), 4% of a d=128 2K backward, and the pass's last wave leaves SMs idle.
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True, *varlen), (_config.cdiv(sq, 16), h, b),
-                DQ_CONVERT_THREADS, 0, p[()])
+                DQ_CONVERT_THREADS, 0, p[()], dependent=True)
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):

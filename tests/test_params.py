@@ -96,3 +96,15 @@ def test_plain_kernel_constants_and_shared_memory():
                            f"{_launch._generic_smem(hd, itemsize)}, \"smem {ctype} {hd}\");")
     log = _compile_log("generic.cu", asserts)
     assert log is None, log
+
+
+def test_driver_launch_structs_have_the_layout_of_cuda_h():
+    """cupyflash/_driver.py's ctypes mirrors of CUlaunchAttribute and CUlaunchConfig: an id
+    and a 64-byte union 8 bytes in; seven 32-bit sizes, then the stream, the attributes and
+    their count at 8-byte alignment."""
+    import ctypes
+    from cupyflash import _driver
+    assert ctypes.sizeof(_driver._Attribute) == 72 and _driver._Attribute.value.offset == 8
+    c = _driver._Config
+    assert (c.smem.offset, c.stream.offset, c.attrs.offset, c.num_attrs.offset, ctypes.sizeof(c)) == \
+        (24, 32, 40, 48, 56)
