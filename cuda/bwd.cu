@@ -101,11 +101,15 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
             if constexpr (sizeof(S) == 2) *stat_ptr<float>(p.lse_log2, seq, h, row) = lse_log2(lse);
         }
     }
-    // The block's 16-row tiles that hold rows (those the convert kernel reads), one contiguous
-    // span of whole tiles in either tile order.
+    // The block's 16-row tiles, one contiguous span of whole tiles in either tile order; the
+    // block with the last row also zeroes the tiles after it up to a multiple of ACCUM_ALIGN
+    // rows, into which the passes' whole query blocks (up to 128 rows) add too.
     if (p.dq_accum != nullptr) {
         constexpr int TILES = PREPROCESS_ROWS / 16;
-        const int tile0 = blockIdx.x * TILES, tiles = min(TILES, (seq.seqlen_q() + 15) / 16 - tile0);
+        const int sq = seq.seqlen_q(), tile0 = blockIdx.x * TILES;
+        const int end = blockIdx.x == (sq - 1) / PREPROCESS_ROWS ? (sq + ACCUM_ALIGN - 1) / ACCUM_ALIGN * (ACCUM_ALIGN / 16)
+                                                                  : tile0 + TILES;
+        const int tiles = tile0 * 16 < sq ? end - tile0 : 0;
         if (tiles > 0) {
             float4* span = reinterpret_cast<float4*>(dq_tile_lane(p, seq, h, tile0, 0));
             const int n = tiles * 16 * p.dq_accum_cols / 4;
