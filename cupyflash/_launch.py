@@ -673,9 +673,15 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     varlen = (str(_spec.SEQ_PACKED),) if spec.varlen else ()
     hopper = bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv,
                         deterministic=deterministic) == "sm90"
-    if dq_accum is not None and hopper:
-        # The Hopper pass's blocks per (batch, kv head), counted by the convert kernel
-        # (BwdParams.dq_done, zeroed by the preprocess).
+    # The Hopper pass's dQ convert beside the pass's last blocks: each convert block then waits
+    # for its (batch, kv head)'s count of finished pass blocks (BwdParams.dq_done, zeroed by
+    # the preprocess), a memory round trip ahead of its loads. Measured (H200, bf16, 16K
+    # tokens): +1.2-3% at head dims 128 and 256 without a band; at 64 the waits cost what the
+    # overlap saves, and with a band (longest tiles first) the pass's last blocks are short,
+    # so the waits cost 1-3% there: those convert after the pass.
+    overlap = (dq_accum is not None and hopper and block_mask is None and spec.window == _spec.NO_WINDOW
+               and sm90_bwd_headdim(hd) >= 128)
+    if overlap:
         import cupy
         done = cupy.empty(b * hk, np.int32)
         p["dq_done"], p["dq_done_target"] = done.data.ptr, _config.cdiv(sk, sm90_bwd_keys(sm90_bwd_headdim(hd)))
@@ -689,10 +695,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
         _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads)
-        # Beside the pass's last blocks: at 16K tokens x 2048 it reads 128 MiB (~60 us on the
-        # H200), 4% of a d=128 2K backward, and the pass's last wave leaves SMs idle.
+        # At 16K tokens x 2048 it reads 128 MiB (~60 us on the H200, 4% of a d=128 2K
+        # backward), and the pass's last wave leaves SMs idle.
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True, *varlen), (_config.cdiv(sq, 16), h, b),
-                DQ_CONVERT_THREADS, 0, p[()], dependent=True)
+                DQ_CONVERT_THREADS, 0, p[()], dependent=overlap)
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
