@@ -61,7 +61,7 @@ constexpr int DQ_CONVERT_THREADS = 256;
 // TB/s and the d=64 one at half that (benchmarks/NOTES.md).
 // Seq: the rows' layout (seqinfo.cuh), as the passes' Variant::Seq.
 template <typename Elem, int Seq = SEQ_DENSE>
-__global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(const BwdParams p, int* dq_done) {
     typedef ElemTraits<Elem> Tr;
     typedef typename Tr::storage S;
     typedef typename Tr::acc Acc;
@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
         }
     }
     // The Hopper pass's count of finished dK/dV blocks of this (batch, kv head) starts at 0.
-    if (p.dq_done != nullptr && blockIdx.x == 0 && h % p.group == 0 && threadIdx.x == 0)
-        p.dq_done[blockIdx.z * p.nheads_k + h / p.group] = 0;
+    if (dq_done != nullptr && blockIdx.x == 0 && h % p.group == 0 && threadIdx.x == 0)
+        dq_done[blockIdx.z * p.nheads_k + h / p.group] = 0;
 }
 
 // grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads: one strip of
@@ -129,7 +129,8 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
 // floats of shared memory: the strip read in tile order, written row by row. Seq: the rows'
 // layout.
 template <typename Elem, bool LaneMajor, int Seq = SEQ_DENSE>
-__global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p, const int* dq_done,
+                                                                             int dq_done_target) {
     extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
     const SeqInfo<BwdParams, Seq> seq(p, blockIdx.z);
     const int h = blockIdx.y, row0 = blockIdx.x * 16;
@@ -138,13 +139,13 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     const float* src = dq_tile_lane(p, seq, h, blockIdx.x, 0);
     const float scale = static_cast<float>(p.scale);
     if constexpr (LaneMajor) {
-        // Launched as the Hopper pass's programmatic dependent, the kernel may start beside
-        // that pass's last blocks: it waits until every dK/dV block of its (batch, kv head)
-        // has finished, and with them every add into its rows.
-        if (p.dq_done != nullptr) {
+        // With dq_done, launched as the Hopper pass's programmatic dependent, the kernel may
+        // start beside that pass's last blocks: it waits until dq_done_target dK/dV blocks of
+        // its (batch, kv head) have finished, and with them every add into its rows.
+        if (dq_done != nullptr) {
             if (threadIdx.x == 0) {
-                const int* done = p.dq_done + blockIdx.z * p.nheads_k + h / p.group;
-                while (ld_acquire(done) < p.dq_done_target) {
+                const int* done = dq_done + blockIdx.z * p.nheads_k + h / p.group;
+                while (ld_acquire(done) < dq_done_target) {
                 }
             }
             __syncthreads();

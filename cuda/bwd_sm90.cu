@@ -42,6 +42,7 @@ struct BwdSm90Params {
     TmaDesc q, k, v, dout, dk, dv;
     BwdParams base;
     int* dq_order;   // deterministic dQ: one counter per (batch, head, query block); else null
+    int* dq_done;    // per (batch, kv head), the blocks that have finished (block_done); or null
 };
 
 // bwd.cu's dQ buffer: tiles of 16 rows x 8 columns, lane-major here (register e of lane L
@@ -293,19 +294,22 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
     return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
 }
 
-// The dQ convert kernel runs as this pass's programmatic dependent (launch_dependents at the
-// start of every block) and waits per (batch, kv head) until all of its blocks have counted
-// themselves in p.dq_done. A block counts once all its writes are complete, the dQ adds and
-// dK, dV alike, so that the convert's end also means the pass's. count_block_done by one
-// thread; block_done by every consumer thread at the end (each warp's lane 0 has waited for
-// its bulk adds and the storing threads for their bulk stores).
-__device__ __forceinline__ void count_block_done(const BwdParams& p, const BlockCoord& at) {
-    if (p.dq_done != nullptr) red_release_add(p.dq_done + at.batch * p.nheads_k + at.head, 1);
+// Where the host sets tp.dq_done (_launch.backward's `overlap`), the dQ convert kernel runs as
+// this pass's programmatic dependent (launch_dependents at the start of every block) and waits
+// per (batch, kv head) until all of its blocks have counted themselves there. A block counts
+// once all its writes are complete, the dQ adds and dK, dV alike, so that the convert's end
+// also means the pass's. count_block_done by one thread; block_done by every consumer thread
+// at the end (each warp's lane 0 has waited for its bulk adds and the storing threads for
+// their bulk stores). Without tp.dq_done it costs nothing: its fence and barrier at the end of
+// every block measured 1.5-2% at d = 64 causal 2K.
+__device__ __forceinline__ void count_block_done(const BwdSm90Params& tp, const BlockCoord& at) {
+    if (tp.dq_done != nullptr) red_release_add(tp.dq_done + at.batch * tp.base.nheads_k + at.head, 1);
 }
-__device__ __forceinline__ void block_done(const BwdParams& p, const BlockCoord& at) {
+__device__ __forceinline__ void block_done(const BwdSm90Params& tp, const BlockCoord& at) {
+    if (tp.dq_done == nullptr) return;
     fence_proxy_async_all();
     named_bar_sync(6, 256);
-    if (threadIdx.x == 0) count_block_done(p, at);
+    if (threadIdx.x == 0) count_block_done(tp, at);
 }
 
 // The counter of the query block from row 64 m of head h (tp.dq_order: batch, nheads, 64-row
@@ -350,7 +354,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     const int n_tile = at.tile, col0 = n_tile * Bc;
     if (V::Varlen && col0 >= seq.seqlen_k()) {   // past a packed sequence's end
-        if (threadIdx.x == 0) count_block_done(p, at);
+        if (threadIdx.x == 0) count_block_done(tp, at);
         return;
     }
     Mask<V, BwdParams> mask(p);
@@ -552,7 +556,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         copy_stage_rows<Halves, 128>(stV, seq.template k_row<u16>(p.dv, at.head, my_col0), p.dv.row_stride, rows,
                                      p.headdim, tid);
     }
-    block_done(p, at);
+    block_done(tp, at);
 }
 
 // The dK/dV pass at head dim 256 (buckets 160 to 256), where one warpgroup's dK and dV for 64
@@ -596,7 +600,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     const int n_tile = at.tile, col0 = n_tile * Bc;
     if (V::Varlen && col0 >= seq.seqlen_k()) {   // past a packed sequence's end
-        if (threadIdx.x == 0) count_block_done(p, at);
+        if (threadIdx.x == 0) count_block_done(tp, at);
         return;
     }
     Mask<V, BwdParams> mask(p);
@@ -771,5 +775,5 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         copy_stage_rows<2, 128>(stV, seq.template k_row<u16>(p.dv, at.head, col0) + HeadDim / 2 * wg,
                                 p.dv.row_stride, rows, cols, tid);
     }
-    block_done(p, at);
+    block_done(tp, at);
 }

@@ -112,10 +112,6 @@ struct BwdParams {
                          // whole tiles so that the atomics need no bounds checks; null when dQ
                          // has its own query-block-parallel pass
     int dq_accum_rows, dq_accum_cols;
-    int* dq_done;        // the Hopper pass: per (batch, kv head), its dK/dV blocks that have
-                         // finished (zeroed by bwd_preprocess_kernel); the dQ convert kernel
-                         // waits for dq_done_target of them. Null elsewhere
-    int dq_done_target;
     int batch, nheads, nheads_k, group;
     int seqlen_q, seqlen_k, headdim;
     int vec_ok;

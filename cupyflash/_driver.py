@@ -41,11 +41,11 @@ def _launch_kernel_ex():
     return f
 
 
-def launch_dependent(function, grid, threads, smem, stream, params):
-    """Launch the kernel ``function`` (a CUfunction handle) with one by-value parameter
-    ``params`` (a NumPy structured scalar laid out as the kernel's struct) on ``stream`` as the
-    programmatic dependent of the stream's previous kernel. False where the driver cannot (the
-    caller then launches it the ordinary way); raises RuntimeError if the launch fails."""
+def launch_dependent(function, grid, threads, smem, stream, args):
+    """Launch the kernel ``function`` (a CUfunction handle) with the by-value parameters
+    ``args`` (NumPy scalars, structured ones laid out as the kernel's structs) on ``stream`` as
+    the programmatic dependent of the stream's previous kernel. False where the driver cannot
+    (the caller then launches it the ordinary way); raises RuntimeError if the launch fails."""
     f = _launch_kernel_ex()
     if f is None:
         return False
@@ -53,9 +53,9 @@ def launch_dependent(function, grid, threads, smem, stream, params):
     grid = tuple(grid) + (1,) * (3 - len(grid))
     config = _Config(grid=(ctypes.c_uint32 * 3)(*grid), block=(ctypes.c_uint32 * 3)(threads, 1, 1), smem=smem,
                      stream=stream, attrs=ctypes.pointer(attr), num_attrs=1)
-    data = np.frombuffer(params.tobytes(), np.uint8).copy()   # the driver copies it at the launch
-    args = (ctypes.c_void_p * 1)(data.ctypes.data)
-    err = f(ctypes.byref(config), function, args, None)
+    data = [np.frombuffer(a.tobytes(), np.uint8).copy() for a in args]   # copied at the launch
+    pointers = (ctypes.c_void_p * len(data))(*(d.ctypes.data for d in data))
+    err = f(ctypes.byref(config), function, pointers, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
     return True

@@ -49,8 +49,7 @@ FWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o")]
                          ("cache", CACHE_PARAMS)], align=True)
 BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")]
                       + [("lse", np.uint64), ("dsum", np.uint64), ("lse_log2", np.uint64), ("dq_accum", np.uint64),
-                         ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32),
-                         ("dq_done", np.uint64), ("dq_done_target", np.int32)]
+                         ("dq_accum_rows", np.int32), ("dq_accum_cols", np.int32)]
                       + _DIMS + [("kv_blocks", BLOCK_LIST), ("q_blocks", BLOCK_LIST),
                                  ("user", USER_PARAMS), ("varlen", VARLEN_PARAMS)], align=True)
 # cuda/seqinfo.cuh's ACCUM_ALIGN: packed sequences' slices of the fp32 dQ buffer start at
@@ -261,17 +260,19 @@ def _user_tile(pass_, spec, smem_limit, limits, deterministic, name_of, device_i
 
 def _launch(filename, name, grid, threads, smem, params, user_mods="", dependent=False):
     """Launch template instantiation ``name`` of ``cuda/<filename>``, with the call's user
-    mods (``mods.prelude``) spliced into its source. ``dependent``: as the programmatic
+    mods (``mods.prelude``) spliced into its source; ``params``: its one argument, or a tuple
+    of them (NumPy scalars). ``dependent``: as the programmatic
     dependent of the kernel before it in the stream (sm_90), which may then start it once
     each of its blocks has run ``launch_dependents`` (cuda/sm90.cuh), beside its last ones:
     the kernel waits for what it reads itself."""
     import cupy
     kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem,
                      _compile.ARCH_SPECIFIC.get(filename))
+    args = params if isinstance(params, tuple) else (params,)
     if dependent and _driver.launch_dependent(getattr(kernel, "kernel", kernel).ptr, grid, threads, smem,
-                                              cupy.cuda.get_current_stream().ptr, params):
+                                              cupy.cuda.get_current_stream().ptr, args):
         return
-    kernel(grid, (threads,), (params,), shared_mem=smem)
+    kernel(grid, (threads,), args, shared_mem=smem)
 
 
 def _fill_user(rec, arrays, grads=None):
@@ -478,13 +479,13 @@ def kernel_family(spec, block_mask, *arrays):
     return "generic"
 
 
-# cuda/bwd_sm90.cu's parameters: the tensor maps of q, k, v, dout, dk and dv, BwdParams, and
-# the deterministic dQ's counters (or 0).
+# cuda/bwd_sm90.cu's parameters: the tensor maps of q, k, v, dout, dk and dv, BwdParams, the
+# deterministic dQ's counters (or 0) and the counts of finished blocks (or 0).
 _AFTER_BWD = _config.cdiv(6 * _MAP + BWD_PARAMS.itemsize, 8) * 8
-BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base", "dq_order"],
-                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS, np.uint64],
-                            "offsets": [i * _MAP for i in range(7)] + [_AFTER_BWD],
-                            "itemsize": _config.cdiv(_AFTER_BWD + 8, 64) * 64})
+BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base", "dq_order", "dq_done"],
+                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS, np.uint64, np.uint64],
+                            "offsets": [i * _MAP for i in range(7)] + [_AFTER_BWD, _AFTER_BWD + 8],
+                            "itemsize": _config.cdiv(_AFTER_BWD + 16, 64) * 64})
 SM90_BWD_KEYS = 128
 
 
@@ -550,7 +551,7 @@ SM90_BWD_STATIC_SMEM = 4096
 
 
 def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed=None,
-                   user_grads=None):
+                   user_grads=None, done=0):
     b, sq, sk = _dims(q, k, packed)
     h, hk = q.shape[2], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
@@ -568,6 +569,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
     tp = np.zeros((), BWD_SM90_PARAMS)
     grid = _tile_grid(p, _config.cdiv(sk, keys), hk, b, spec.causal)
     tp["base"] = p
+    tp["dq_done"] = done
     if deterministic:
         import cupy
         order = cupy.zeros((b, h, _config.cdiv(sq, 64)), cupy.int32)   # per 64 rows
@@ -681,12 +683,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     # so the waits cost 1-3% there: those convert after the pass.
     overlap = (dq_accum is not None and hopper and block_mask is None and spec.window == _spec.NO_WINDOW
                and sm90_bwd_headdim(hd) >= 128)
+    done = np.uint64(0)   # the counts (preprocess and convert kernels' second argument)
     if overlap:
         import cupy
-        done = cupy.empty(b * hk, np.int32)
-        p["dq_done"], p["dq_done_target"] = done.data.ptr, _config.cdiv(sk, sm90_bwd_keys(sm90_bwd_headdim(hd)))
+        counts = cupy.empty(b * hk, np.int32)
+        done = np.uint64(counts.data.ptr)
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
-            (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, p[()])
+            (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done))
     if deterministic and (dq_accum is not None) != hopper:
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
     if dq_accum is not None and hopper:
@@ -694,11 +697,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         if dq_accum.shape != dq_accum_shape(q.shape, packed) or dq_accum.shape[2] % step or dq_accum.shape[3] != hd:
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
-        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads)
+        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads, done)
         # At 16K tokens x 2048 it reads 128 MiB (~60 us on the H200, 4% of a d=128 2K
         # backward), and the pass's last wave leaves SMs idle.
+        target = np.int32(_config.cdiv(sk, sm90_bwd_keys(sm90_bwd_headdim(hd))))   # the pass's key tiles
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True, *varlen), (_config.cdiv(sq, 16), h, b),
-                DQ_CONVERT_THREADS, 0, p[()], dependent=overlap)
+                DQ_CONVERT_THREADS, 0, (p[()], done, target), dependent=overlap)
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
@@ -734,7 +738,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
                     smem, p[()], spec.user_mods)
         else:
             _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, False, *varlen),
-                    (_config.cdiv(sq, 16), h, b), DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4, p[()])
+                    (_config.cdiv(sq, 16), h, b), DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4,
+                    (p[()], done, np.int32(0)))
     else:
         if block_mask is not None:
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=True)
