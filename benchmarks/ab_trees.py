@@ -5,6 +5,10 @@ runs its own kernels), the trees interleaved rep by rep so that clock drift hits
     git archive HEAD cuda | tar -x -C /tmp && mv /tmp/cuda base    # a tree of a commit
     python benchmarks/ab_trees.py --reps 2 base=base new=cuda -- 128:2048:0:fwd,bwd 256:8192:1:fwd
 
+A tree that holds a ``cupyflash`` package beside its ``cuda`` folder (``git archive HEAD
+cupyflash cuda``) is a whole-package tree: its process imports that package (PYTHONPATH), for
+changes on the host side too; ``new=.`` is the working tree's.
+
 A cell is headdim:seqlen:causal(0/1):passes[:rule], at the bench's shapes (16K tokens, 2048 =
 heads x headdim); a rule of bench_variants.py's ours_keywords (softcap, alibi, user_alibi,
 window, ...) times ours with it (TFLOP/s counted as for plain attention). ``--peer`` adds
@@ -68,9 +72,12 @@ def main(argv=None):
     table, failed = {}, False
     for rep in range(args.reps):
         for i, (name, tree) in enumerate(trees):
-            cmd = [sys.executable, __file__, "--one", tree, "--dtype", args.dtype, "--calls", str(args.calls),
+            package = Path(tree, "cupyflash").is_dir()
+            cmd = [sys.executable, __file__, "--one", str(Path(tree, "cuda")) if package else tree,
+                   "--dtype", args.dtype, "--calls", str(args.calls),
                    *(["--peer"] if args.peer and i == 0 and rep == 0 else []), "--", *cells]
-            p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve())) if package else os.environ
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
             found = [line for line in p.stdout.splitlines() if line.startswith("ROWS ")]
             if not found:
                 print(f"{name}: failed\n{p.stderr[-3000:]}", flush=True)
