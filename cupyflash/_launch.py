@@ -516,6 +516,17 @@ def _hopper_allowed():
             and cupy.cuda.Device().compute_capability == "90")
 
 
+def convert_overlaps(spec, block_mask):
+    """Whether the Hopper backward's dQ convert runs beside the dK/dV pass's last blocks (a
+    programmatic dependent launch, cuda/bwd_sm90.cu's block_done) rather than after it: each
+    convert block then waits for its (batch, kv head)'s count of finished pass blocks, a memory
+    round trip ahead of its loads. Measured (H200, bf16, 16K tokens; benchmarks/NOTES.md,
+    sixteenth session): +0.5-1.7% at head dims 128 and 256 without a band or block mask; at
+    64 the waits cost what the overlap saves, and with a band (longest tiles first) the pass's
+    last blocks are short and the waits cost 1-3%."""
+    return block_mask is None and spec.window == _spec.NO_WINDOW and sm90_bwd_headdim(spec.headdim) >= 128
+
+
 def bwd_family(spec, block_mask, *arrays, deterministic=False):
     """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward with dQ
     added by the copy engine into an fp32 buffer, else "generic". It covers fp16/bf16 with
@@ -675,15 +686,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     varlen = (str(_spec.SEQ_PACKED),) if spec.varlen else ()
     hopper = bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv,
                         deterministic=deterministic) == "sm90"
-    # The Hopper pass's dQ convert beside the pass's last blocks: each convert block then waits
-    # for its (batch, kv head)'s count of finished pass blocks (BwdParams.dq_done, zeroed by
-    # the preprocess), a memory round trip ahead of its loads. Measured (H200, bf16, 16K
-    # tokens): +1.2-3% at head dims 128 and 256 without a band; at 64 the waits cost what the
-    # overlap saves, and with a band (longest tiles first) the pass's last blocks are short,
-    # so the waits cost 1-3% there: those convert after the pass.
-    overlap = (dq_accum is not None and hopper and block_mask is None and spec.window == _spec.NO_WINDOW
-               and sm90_bwd_headdim(hd) >= 128)
-    done = np.uint64(0)   # the counts (preprocess and convert kernels' second argument)
+    overlap = dq_accum is not None and hopper and convert_overlaps(spec, block_mask)
+    done = np.uint64(0)   # the counts of finished pass blocks (zeroed by the preprocess)
     if overlap:
         import cupy
         counts = cupy.empty(b * hk, np.int32)

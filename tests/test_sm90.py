@@ -338,6 +338,19 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     assert _launch.bwd_family(spec, mask, q, k, v) == family
 
 
+@pytest.mark.parametrize("d, kw, overlaps", [
+    (128, {}, True), (96, {}, True), (256, {}, True), (200, dict(softcap=5.0), True),
+    (64, {}, False), (40, {}, False), (128, dict(causal=True), False),
+    (256, dict(window_size=(100, 0)), False), (128, dict(block_mask=True), False)])
+def test_the_dq_convert_overlaps_the_pass_without_a_band_from_head_dim_128(d, kw, overlaps):
+    """The Hopper kernels' buckets: 96 runs the 128 kernel, 200 the 256 one; a band or a
+    block mask keeps the convert after the pass."""
+    q = np.zeros((1, 256, 2, d), np.float16)
+    mask = cf.masks.sliding_window(256, 256, 1, block_size=128) if kw.pop("block_mask", False) else None
+    spec = _spec.CallSpec.of(q, causal=kw.pop("causal", False), block_mask=mask, **kw)
+    assert _launch.convert_overlaps(spec, mask) == overlaps
+
+
 # deterministic=True on the Hopper backward: dense and causal calls, every head-dim kernel,
 # GQA, more key blocks than one (their order is what is fixed) and tails.
 SM90_DETERMINISTIC_CASES = [
