@@ -294,16 +294,16 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
     return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
 }
 
-// Where the host sets tp.dq_done (_launch.backward's `overlap`: kernels without a band), the dQ
-// convert kernel runs as this pass's programmatic dependent (launch_dependents at the start of
-// every block) and waits
-// per (batch, kv head) until all of its blocks have counted themselves there. A block counts
-// once all its writes are complete, the dQ adds and dK, dV alike, so that the convert's end
-// also means the pass's. count_block_done by one thread; block_done by every consumer thread
-// at the end (each warp's lane 0 has waited for its bulk adds and the storing threads for
-// their bulk stores). Without tp.dq_done it costs nothing: its fence and barrier at the end of
-// every block measured 1.5-2% at d = 64 causal 2K. The banded kernels leave both out: the
-// d = 256 causal one, recompiled with them, ran 2.5% slower (A/B, H200).
+// Where the host sets tp.dq_done (_launch.convert_overlaps: no band, head dims 128 and 256),
+// the dQ convert kernel runs as this pass's programmatic dependent (launch_dependents at the
+// start of every block) and waits per (batch, kv head) until all of its blocks have counted
+// themselves there. A block counts once all its writes are complete, the dQ adds and dK, dV
+// alike, so that the convert's end also means the pass's. count_block_done by one thread;
+// block_done by every consumer thread at the end (each warp's lane 0 has waited for its bulk
+// adds and the storing threads for their bulk stores). Without tp.dq_done block_done costs
+// nothing (its fence and barrier measured 1.5-2% at d = 64 causal 2K). The banded kernels
+// compile neither the trigger nor block_done: the d = 256 causal one ran 2.5% slower with
+// them (A/B, H200).
 __device__ __forceinline__ void count_block_done(const BwdSm90Params& tp, const BlockCoord& at) {
     if (tp.dq_done != nullptr) red_release_add(tp.dq_done + at.batch * tp.base.nheads_k + at.head, 1);
 }

@@ -261,10 +261,10 @@ def _user_tile(pass_, spec, smem_limit, limits, deterministic, name_of, device_i
 def _launch(filename, name, grid, threads, smem, params, user_mods="", dependent=False):
     """Launch template instantiation ``name`` of ``cuda/<filename>``, with the call's user
     mods (``mods.prelude``) spliced into its source; ``params``: its one argument, or a tuple
-    of them (NumPy scalars). ``dependent``: as the programmatic
-    dependent of the kernel before it in the stream (sm_90), which may then start it once
-    each of its blocks has run ``launch_dependents`` (cuda/sm90.cuh), beside its last ones:
-    the kernel waits for what it reads itself."""
+    of them (NumPy scalars). ``dependent``: as the programmatic dependent of the kernel before
+    it in the stream (sm_90), which may then start it once each of its blocks has run
+    ``launch_dependents`` (cuda/sm90.cuh), beside its last ones: the kernel waits for what it
+    reads itself."""
     import cupy
     kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem,
                      _compile.ARCH_SPECIFIC.get(filename))
