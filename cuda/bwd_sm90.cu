@@ -294,7 +294,7 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
     return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
 }
 
-// Where the host sets tp.dq_done (_launch.convert_overlaps: no band, head dims 128 and 256),
+// Where the host sets tp.dq_done (_launch.convert_overlaps: no band, head dims above 64),
 // the dQ convert kernel runs as this pass's programmatic dependent (launch_dependents at the
 // start of every block) and waits per (batch, kv head) until all of its blocks have counted
 // themselves there. A block counts once all its writes are complete, the dQ adds and dK, dV

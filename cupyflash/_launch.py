@@ -521,9 +521,10 @@ def convert_overlaps(spec, block_mask):
     programmatic dependent launch, cuda/bwd_sm90.cu's block_done) rather than after it: each
     convert block then waits for its (batch, kv head)'s count of finished pass blocks, a memory
     round trip ahead of its loads. Measured (H200, bf16, 16K tokens; benchmarks/NOTES.md,
-    sixteenth session): +0.5-1.7% at head dims 128 and 256 without a band or block mask; at
-    64 the waits cost what the overlap saves, and with a band (longest tiles first) the pass's
-    last blocks are short and the waits cost 1-3%."""
+    sixteenth session): +0.5-1.7% in the 128- and 256-column kernels (head dims above 64)
+    without a band or block mask; in the 64-column one the waits cost what the overlap saves,
+    and with a band (longest tiles first) the pass's last blocks are short and the waits cost
+    1-3%."""
     return block_mask is None and spec.window == _spec.NO_WINDOW and sm90_bwd_headdim(spec.headdim) >= 128
 
 
@@ -563,6 +564,8 @@ SM90_BWD_STATIC_SMEM = 4096
 
 def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed=None,
                    user_grads=None, done=0):
+    """Launch the Hopper dK/dV pass; ``done``: where its blocks count themselves finished per
+    (batch, kv head), or 0. Returns its blocks per (batch, kv head) (key tiles)."""
     b, sq, sk = _dims(q, k, packed)
     h, hk = q.shape[2], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
@@ -578,7 +581,8 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
     smem = (2 * keys + 4 * rows) * hd * 2 + 2 * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
     smem += _stage_grads(p["user"], user_grads, smem, _smem_limit() - SM90_BWD_STATIC_SMEM)
     tp = np.zeros((), BWD_SM90_PARAMS)
-    grid = _tile_grid(p, _config.cdiv(sk, keys), hk, b, spec.causal)
+    tiles = _config.cdiv(sk, keys)
+    grid = _tile_grid(p, tiles, hk, b, spec.causal)
     tp["base"] = p
     tp["dq_done"] = done
     if deterministic:
@@ -591,6 +595,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
             if hd == 256 else
             template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant()))
     _launch("bwd_sm90.cu", name, grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods)
+    return tiles
 
 
 def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
@@ -701,12 +706,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
         if dq_accum.shape != dq_accum_shape(q.shape, packed) or dq_accum.shape[2] % step or dq_accum.shape[3] != hd:
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
-        _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads, done)
+        tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads,
+                               done)
         # At 16K tokens x 2048 it reads 128 MiB (~60 us on the H200, 4% of a d=128 2K
         # backward), and the pass's last wave leaves SMs idle.
-        target = np.int32(_config.cdiv(sk, sm90_bwd_keys(sm90_bwd_headdim(hd))))   # the pass's key tiles
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True, *varlen), (_config.cdiv(sq, 16), h, b),
-                DQ_CONVERT_THREADS, 0, (p[()], done, target), dependent=overlap)
+                DQ_CONVERT_THREADS, 0, (p[()], done, np.int32(tiles)), dependent=overlap)
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
