@@ -11,10 +11,12 @@ changes on the host side too; ``new=.`` is the working tree's.
 
 A cell is headdim:seqlen:causal(0/1):passes[:rule], at the bench's shapes (16K tokens, 2048 =
 heads x headdim); a rule of bench_variants.py's ours_keywords (softcap, alibi, user_alibi,
-window, ...) times ours with it (TFLOP/s counted as for plain attention). ``--peer`` adds
-cuDNN SDPA's rows once, in the first tree's first rep. The table gives TFLOP/s per rep for
-each tree; untracked trees in the repository root travel to the device machine with the
-working tree.
+window, ...) times ours with it (TFLOP/s counted as for plain attention). A cell
+decode:batch:context:layout (contiguous, page16, page256) times a decode call of
+bench_decode.py's shapes as it does (CUDA graph replays), in microseconds. ``--peer`` adds
+cuDNN SDPA's rows once, in the first tree's first rep (dense cells). The table gives TFLOP/s
+(decode: us) per rep for each tree; untracked trees in the repository root travel to the
+device machine with the working tree.
 """
 import argparse
 import json
@@ -33,6 +35,10 @@ def run_tree(tree, cells, dtype, reps, peer):
     from cupyflash.bench import cases, peers
     rows = []
     for cell in cells:
+        if cell.startswith("decode:"):
+            rows.append(decode_row(cell, reps))
+            bench.release_memory()   # the cell's caches, freed on return
+            continue
         d, s, causal, passes, *rule = cell.split(":")
         case = cases.Case.dense(int(s), int(d), causal == "1", dtype)
         if rule:   # one of bench_variants.py's rules, ours only
@@ -51,6 +57,29 @@ def run_tree(tree, cells, dtype, reps, peer):
     return rows
 
 
+def decode_row(cell, reps):
+    """A decode cell's row: the median of ``reps`` graph replays of one call, in ms."""
+    import cupy as cp
+    import numpy as np
+    import cupyflash as cf
+    from cupyflash import bench
+    import bench_decode as bd   # after cupyflash: its path entry must not pick the package
+    _, batch, context, layout = cell.split(":")
+    batch, context = int(batch), int(context)
+    k, v = bd.random_cache(cp, batch, context)
+    q = cp.random.standard_normal((batch, 1, bd.NHEADS, bd.HEADDIM), dtype=cp.float32).astype(k.dtype)
+    lens = cp.full(batch, context, cp.int32)
+    table = None
+    if layout != "contiguous":
+        k, v = (x.reshape(-1, int(layout[4:]), bd.NHEADS_K, bd.HEADDIM) for x in (k, v))
+        table = cp.asarray(np.random.default_rng(0).permutation(k.shape[0]).astype(np.int32).reshape(batch, -1))
+    stream, graph, _ = bench.timing.graph_of(
+        lambda: cf.flash_attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table))
+    with stream:
+        result = bench.time_calls(bench.CupyClock(), [lambda: graph.launch(stream)], reps)
+    return {"impl": "cupyflash", "pass": "decode", "ms": result["ms"], "cell": cell}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="*", help="name=dir (then -- and the cells)")
@@ -58,6 +87,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=20, help="timed calls per row")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--peer", action="store_true", help="cuDNN SDPA's rows in the first round")
+    ap.add_argument("--json", help="also write every row (with its tree and rep) to this file")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -69,7 +99,7 @@ def main(argv=None):
         print("ROWS " + json.dumps(rows), flush=True)
         return 0
     trees = [t.split("=", 1) for t in args.trees]
-    table, failed = {}, False
+    table, failed, everything = {}, False, []
     for rep in range(args.reps):
         for i, (name, tree) in enumerate(trees):
             package = Path(tree, "cupyflash").is_dir()
@@ -84,12 +114,18 @@ def main(argv=None):
                 failed = True
                 continue
             for r in json.loads(found[0][5:]):
+                everything.append(dict(r, tree=name, rep=rep))
                 label = name if r["impl"] == "cupyflash" else r["impl"]
-                value = f"{r['tflops']:.0f}" if r.get("tflops") else (r.get("error") or "?")
+                value = (f"{r['ms'] * 1e3:.1f}" if r["pass"] == "decode" else
+                         f"{r['tflops']:.0f}" if r.get("tflops") else (r.get("error") or "?"))
                 table.setdefault((r["cell"], r["pass"]), {}).setdefault(label, []).append(
                     value + (" MISMATCH" if r.get("mismatch") else ""))
     for (cell, pass_), by_tree in table.items():
         print(f"{cell} {pass_}: " + "  ".join(f"{n} {'/'.join(v)}" for n, v in by_tree.items()), flush=True)
+    if args.json:
+        from cupyflash import bench
+        bench.write_json(args.json, bench.report("ab_trees", everything, trees=dict(trees), cells=cells,
+                                                 dtype=args.dtype, calls=args.calls))
     return 1 if failed else 0
 
 

@@ -232,3 +232,20 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void red_release_add(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+
+// ---- Programmatic dependent launch (sm_90; _launch's `dependent`); no-ops on older GPUs and
+// between grids launched the ordinary way.
+// Lets the grid launched after this one as its programmatic dependent start once every block
+// of this grid has executed it (or exited).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// In a dependent grid: waits until the grid before it has completed and its writes are
+// visible.
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}

@@ -10,7 +10,8 @@
 //   warps, and runs S = Q K^T, the score step, mask and online softmax (the shared pieces) and
 //   O += P V by mma.sync on them; the warps' (max, sum, O) are then combined through shared
 //   memory. One split writes out and lse; several write fp32 parts that
-// - flash_decode_merge_kernel combines by their lse (as cupyflash.merge_attention).
+// - flash_decode_merge_kernel combines by their lse (as cupyflash.merge_attention), launched as
+//   the split pass's programmatic dependent on sm_90.
 #include "common.cuh"
 #include "seqinfo.cuh"
 #include "mask.cuh"
@@ -59,6 +60,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
     const ScoreMod<V, FwdParams> mod(p);   // softcap's held values (ALiBi's slope is per row, below)
     const int rows = p.group * p.seqlen_q;
     const int last = min(g0 + 16, rows) - 1;
+    // The merge kernel, launched as this grid's dependent, may then take its place on the SMs
+    // beside this grid's blocks and wait there (it starts on the launch's latency otherwise).
+    launch_dependents();
 
     // Q's 16 packed rows (zeros past the last).
     for (int i = threadIdx.x; i < 16 * DT; i += DECODE_WARPS * 32) {
@@ -272,6 +276,7 @@ __global__ void __launch_bounds__(DECODE_MERGE_GROUPS * HeadDim / 4) flash_decod
     __shared__ __align__(16) float part[DECODE_MERGE_GROUPS][HeadDim];
     const FwdParams& p = dp.base;
     const int q = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+    wait_for_primary();   // the split pass's parts
     const index_t row = (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + q;
     const index_t stride = static_cast<index_t>(p.batch) * p.nheads * p.seqlen_q;
     float top = neg_inf();

@@ -65,9 +65,6 @@ __device__ __forceinline__ void st_shared(u32 addr, float a, float b, float c, f
 // Orders this thread's accesses to memory of every state space with the copy engine's (the
 // async proxy's).
 __device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;" ::: "memory"); }
-// Lets the grid launched after this one as its programmatic dependent (_launch's `dependent`)
-// start once every block of this grid has executed it (or exited); a no-op otherwise.
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all, some of which only
 // arrive. Two warpgroups take turns with them.

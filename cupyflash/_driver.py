@@ -3,10 +3,11 @@
 
 The one used: programmatic dependent launch (sm_90). A kernel launched so may start while
 the kernel before it in the stream is still running, once every block of that kernel has
-run ``griddepcontrol.launch_dependents`` (cuda/sm90.cuh's ``launch_dependents``) or exited;
-it must then wait for the data it reads by itself (bwd.cu's dQ convert kernel polls a count
-of finished blocks). Where the attribute has no effect the launch is an ordinary one, after
-the kernel before it: the waits then find everything done.
+run ``griddepcontrol.launch_dependents`` (cuda/common.cuh's ``launch_dependents``) or exited;
+it must then wait for the data it reads by itself: bwd.cu's dQ convert kernel polls a count
+of finished blocks, decode.cu's merge kernel waits for the whole grid before it
+(``wait_for_primary``). Where the attribute has no effect the launch is an ordinary one,
+after the kernel before it: the waits then find everything done.
 """
 import ctypes
 import functools

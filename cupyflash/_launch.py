@@ -263,7 +263,7 @@ def _launch(filename, name, grid, threads, smem, params, user_mods="", dependent
     mods (``mods.prelude``) spliced into its source; ``params``: its one argument, or a tuple
     of them (NumPy scalars). ``dependent``: as the programmatic dependent of the kernel before
     it in the stream (sm_90), which may then start it once each of its blocks has run
-    ``launch_dependents`` (cuda/sm90.cuh), beside its last ones: the kernel waits for what it
+    ``launch_dependents`` (cuda/common.cuh), beside its last ones: the kernel waits for what it
     reads itself."""
     import cupy
     kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem,
@@ -849,7 +849,8 @@ def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num
             DECODE_THREADS, smem, p[()])
     if splits > 1:
         _launch("decode.cu", template_name("flash_decode_merge_kernel", elem, hd), (sq, h, b),
-                DECODE_MERGE_GROUPS * hd // 4, 0, p[()])
+                DECODE_MERGE_GROUPS * hd // 4, 0, p[()],
+                dependent=int(cupy.cuda.Device().compute_capability) >= 90)
 
 
 def dq_buffer(spec, block_mask, deterministic, q, k, v, out, dout, dq, dk, dv, packed=None):

@@ -165,6 +165,22 @@ def test_gpu_decode(dtype, paged, page_size, num_splits, request):
 
 
 @pytest.mark.gpu
+def test_gpu_decode_merge_is_the_split_pass_dependent(monkeypatch, request):
+    """From sm_90 on the merge kernel is launched as the split pass's programmatic dependent
+    (it may start beside the pass's blocks and waits for their parts itself); before, the
+    ordinary way. Its results are checked as every split decode's."""
+    from cupyflash import _driver
+    grids, launch = [], _driver.launch_dependent
+
+    def spy(function, grid, *rest):
+        grids.append(tuple(grid))
+        return launch(function, grid, *rest)
+    monkeypatch.setattr(_driver, "launch_dependent", spy)
+    run_gpu("bf16", 2, 1, 8, 2, 128, False, 0, 4096, [4000, 4096], 0, request, num_splits=16)
+    assert grids == ([(1, 8, 2)] if int(cp.cuda.Device().compute_capability) >= 90 else [])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d", [32, 256])
 def test_gpu_decode_most_splits(d, request):
     """num_splits past the cap runs DECODE_MAX_SPLITS splits: the merge's lse pass then takes
