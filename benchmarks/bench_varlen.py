@@ -9,6 +9,8 @@ benchmark here (cupyflash.bench.timing: median of per-call CUDA-event times afte
 two input sets in turn):
   varlen        cupyflash.flash_attention_varlen on the packed batch (each call reads the
                 offsets to the host to check them: one small copy and a wait per call)
+  varlen_unchecked  the same calls with the maximums given and check_offsets=False (no read,
+                no wait: the host queues ahead as for dense calls)
   varlen_graph  the same calls captured in a CUDA graph (maximums given, offsets trusted) and
                 replayed: the kernels without the host's part
   dense_mean    cupyflash.flash_attention on batch x mean length (the same token count)
@@ -81,9 +83,18 @@ def rows_for(lens, causal, reps):
         lambda s=s, o=o: cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu,
                                                             causal=causal)
         for s, o in fwd], reps), list(packed[0][0].shape))
+    # The same calls with the maximums given and check_offsets=False: no read, no wait.
+    longest = int(lens.max())
+    add("varlen_unchecked", "fwd", timing.time_calls(clock, [
+        lambda s=s: cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, longest, longest, causal=causal,
+                                              return_lse=True, check_offsets=False)
+        for s in packed], reps), list(packed[0][0].shape))
+    add("varlen_unchecked", "bwd", timing.time_calls(clock, [
+        lambda s=s, o=o: cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu, longest,
+                                                            longest, causal=causal, check_offsets=False)
+        for s, o in fwd], reps), list(packed[0][0].shape))
     # The same calls as CUDA graph replays: the maximums given, the offsets trusted, no read
     # to the host between calls (the kernels' time alone).
-    longest = int(lens.max())
 
     def graph_fwd(s=packed[0]):
         return cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, longest, longest, causal=causal,
@@ -193,8 +204,9 @@ def table(rows):
             cells = [f"{'causal' if causal else 'full'} {pass_}",
                      f"{v['tflops']:.0f}" if v else "-", f"{d['tflops']:.0f}" if d else "-",
                      f"{v['tflops'] / d['tflops']:.2f}" if v and d else "-"]
-            g = ms("varlen_graph", pass_)
-            cells += [f"{g['tflops']:.0f}" if g else "-", f"{g['tflops'] / d['tflops']:.2f}" if g and d else "-"]
+            for impl in ("varlen_unchecked", "varlen_graph"):
+                g = ms(impl, pass_)
+                cells += [f"{g['tflops']:.0f}" if g else "-", f"{g['tflops'] / d['tflops']:.2f}" if g and d else "-"]
             for impl in ("sdpa_cudnn_padded", "sdpa_flash_padded"):
                 p = ms(impl, pass_)
                 cells.append(f"{p['ms']:.2f} ms ({p['ms'] / v['ms']:.2f}x ours)" if p and v else "-")
@@ -202,8 +214,9 @@ def table(rows):
                 p = ms(impl, pass_)
                 cells.append(f"{p['tflops']:.0f}" if p else "-")
             lines.append("| " + " | ".join(cells) + " |")
-    head = ("| pass | varlen TFLOP/s | dense at mean | ratio | graph replays | ratio | SDPA cuDNN padded |"
-            " SDPA flash padded | packed equal | dense each |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| pass | varlen TFLOP/s | dense at mean | ratio | unchecked offsets | ratio | graph replays | ratio |"
+            " SDPA cuDNN padded | SDPA flash padded | packed equal | dense each |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     return head + "\n" + "\n".join(lines)
 
 

@@ -18,7 +18,8 @@ from .api import _as_backend, _backward_gpu, _call_spec, _forward_gpu, _user_mod
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                            max_seqlen_k=None, *, causal=False, softmax_scale=None,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                           seed=None, offset=0, score_mod=None, return_lse=False):
+                           seed=None, offset=0, score_mod=None, return_lse=False,
+                           check_offsets=True):
     """``flash_attention`` on a packed batch of sequences of different lengths.
 
     Parameters
@@ -33,9 +34,15 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         no keys: its rows then get output 0 and lse ``-inf``).
     max_seqlen_q, max_seqlen_k : int, optional
         The longest sequence's length (or more), which sizes the GPU grids. They are read
-        from the offsets when not given. The offsets are always read to the host and
-        checked, a copy of 4 (batch + 1) bytes that waits for the stream; inside a CUDA graph
-        capture they cannot be read: pass both maximums there, and the offsets are trusted.
+        from the offsets when not given.
+    check_offsets : bool
+        True (the default): the offsets are read to the host and checked before the launch,
+        a copy of 4 (batch + 1) bytes that waits for the stream, so the host cannot queue
+        work ahead of the GPU across the call. False: they are not read (no copy, no wait;
+        FlashAttention's behaviour), both maximums must be given, and the offsets are
+        trusted: wrong ones give wrong results or memory faults, unreported. Inside a CUDA
+        graph capture they cannot be read, and are trusted as with False. NumPy inputs are
+        always checked (their read costs nothing).
     causal, softmax_scale, window_size, softcap, dropout_p, seed, offset, score_mod, return_lse
         As for ``flash_attention``, per sequence: ``b`` (of a score_mod, and of the dropout
         mask) is the sequence's index and ``q_idx``, ``kv_idx`` are positions inside it.
@@ -51,7 +58,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     _refuse_traced(q)
     call = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                          seed, offset, score_mod, (), ())
+                          seed, offset, score_mod, check_offsets, (), ())
     return_lse = _validate.check_flag("return_lse", return_lse)
     q, k, v = call.arrays
     with _arrays.launch_context(call.kind):
@@ -68,12 +75,13 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                                     max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
                                     softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
-                                    score_mod=None, deterministic=False):
+                                    score_mod=None, deterministic=False, check_offsets=True):
     """Gradients of ``flash_attention_varlen`` with respect to q, k and v.
 
     ``dout`` and ``out`` are like q, ``lse`` the forward's ``(nheads, total_q)``; every other
     argument exactly as given to the forward (nothing records them: other values give wrong
-    gradients, silently). ``deterministic`` as for ``flash_attention_backward``. Returns
+    gradients, silently). ``deterministic`` as for ``flash_attention_backward``,
+    ``check_offsets`` as for ``flash_attention_varlen``. Returns
     ``dq, dk, dv`` shaped like q, k and v (and the score_mod's array gradients as a fourth
     result, as ``flash_attention_backward`` does).
     """
@@ -81,7 +89,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     deterministic = _validate.check_flag("deterministic", deterministic)
     call = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                          seed, offset, score_mod, (dout, out, lse), ("dout", "out", "lse"))
+                          seed, offset, score_mod, check_offsets, (dout, out, lse), ("dout", "out", "lse"))
     dout, out, lse = call.extra
     q, k, v = call.arrays
     for name, a in (("dout", dout), ("out", out)):
@@ -118,6 +126,7 @@ class _PackedCall:
     extra: tuple             # the backward's dout, out, lse
     cu: tuple                # cu_seqlens_q, cu_seqlens_k (contiguous)
     maxima: tuple            # the given max_seqlen_q, max_seqlen_k (None: read them)
+    check: bool              # read and check the offsets (check_offsets)
     spec: object
     scale: float
     alibi_slopes: object
@@ -130,8 +139,9 @@ class _PackedCall:
 
     @classmethod
     def of(cls, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size, softcap,
-           alibi_slopes, dropout_p, seed, offset, score_mod, extra, extra_names):
+           alibi_slopes, dropout_p, seed, offset, score_mod, check_offsets, extra, extra_names):
         causal = _validate.check_flag("causal", causal)
+        check = _validate.check_flag("check_offsets", check_offsets)
         score_mod = mods.as_score_mod(score_mod)
         window_size = _validate.check_window_size(window_size, None)
         dropout_p, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
@@ -141,6 +151,9 @@ class _PackedCall:
         q, k, v, cu_q, cu_k = arrays[:5]
         maxima = tuple(None if m is None else _validate.check_int(name, m, 0, _validate.INT32_LIMIT - 1)
                        for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)))
+        if not check and None in maxima:
+            raise ValueError("check_offsets=False needs max_seqlen_q and max_seqlen_k: the "
+                             "offsets are not read to find the longest sequences")
         _validate.check_packed(q, k, v, cu_q, cu_k, softmax_scale)
         batch = cu_q.shape[0] - 1
         user_mods = _user_mods(score_mod, None, None, xp)
@@ -148,15 +161,18 @@ class _PackedCall:
                                  alibi_slopes, dropout_p, None, score_mod, user_mods, batch=batch)
         spec = dataclasses.replace(spec, seq=_spec.SEQ_PACKED)
         cu = tuple(xp.ascontiguousarray(c) for c in (cu_q, cu_k))
-        return cls((q, k, v), tuple(arrays[5:]), cu, maxima, spec, scale, alibi_slopes,
+        return cls((q, k, v), tuple(arrays[5:]), cu, maxima, check, spec, scale, alibi_slopes,
                    score_mod, user, seed, offset, kind, xp)
 
     def packed(self):
-        """The offsets checked against the arrays (read to the host, unless a CUDA graph is
-        being captured), as a _launch.Packed with the grids' maximum lengths; run it inside
-        ``launch_context``, so that the read waits on the caller's stream."""
+        """The offsets checked against the arrays (read to the host, unless they are
+        trusted: check_offsets=False, or a CUDA graph is being captured), as a
+        _launch.Packed with the grids' maximum lengths; run it inside ``launch_context``, so
+        that the read waits on the caller's stream."""
         from . import _launch
         q, k, _ = self.arrays
+        if self.xp is not np and not self.check:
+            return _launch.Packed(*self.cu, *self.maxima)
         if self.xp is not np and _arrays.capturing(self.xp):
             if None in self.maxima:
                 raise RuntimeError("flash_attention_varlen reads cu_seqlens to the host to find "

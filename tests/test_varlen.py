@@ -168,6 +168,29 @@ def test_backward_checks_the_packed_lse():
         cf.flash_attention_varlen_backward(q[:6], q, k, v, out, lse, cq, ck)
 
 
+def test_unchecked_offsets_need_both_maximums():
+    q, k, v, cq, ck = _args()
+    for maxima in ((), (4,), (None, 5)):
+        with pytest.raises(ValueError, match="check_offsets=False needs max_seqlen_q and max_seqlen_k"):
+            cf.flash_attention_varlen(q, k, v, cq, ck, *maxima, check_offsets=False)
+    with pytest.raises(TypeError, match="check_offsets must be a bool"):
+        cf.flash_attention_varlen(q, k, v, cq, ck, 4, 5, check_offsets=0)
+
+
+def test_numpy_offsets_are_checked_even_unchecked():
+    """NumPy inputs read their offsets for free: check_offsets=False still checks them, and
+    gives the bits of a checked call."""
+    q, k, v, cq, ck = _args()
+    out, lse = cf.flash_attention_varlen(q, k, v, cq, ck, return_lse=True)
+    got, got_lse = cf.flash_attention_varlen(q, k, v, cq, ck, 4, 5, check_offsets=False, return_lse=True)
+    assert np.array_equal(got, out) and np.array_equal(got_lse, lse)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must not decrease"):
+        cf.flash_attention_varlen(q, k, v, np.array([0, 5, 3], np.int32), ck, 5, 5, check_offsets=False)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k has 2 entries"):
+        cf.flash_attention_varlen_backward(q, q, k, v, out, lse, cq, np.array([0, 7], np.int32), 4, 7,
+                                           check_offsets=False)
+
+
 def test_per_sequence_slopes_need_one_row_per_sequence():
     q, k, v, cq, ck = _args()
     with pytest.raises(ValueError, match=r"alibi_slopes shape \(3, 2\) must be \(nheads,\) = \(2,\) "
@@ -319,3 +342,25 @@ def test_gpu_bad_offsets_raise_before_launch():
         cf.flash_attention_varlen(q, k, v, cp.asarray([0, 5, 3], cp.int32), ck)
     with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] = 6 must equal the packed array's rows \(7\)"):
         cf.flash_attention_varlen(q, k, v, cq, cp.asarray([0, 2, 6], cp.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_unchecked_offsets_are_not_read(request, monkeypatch):
+    """check_offsets=False: the offsets are never read to the host (the check is never
+    reached), and out, lse and the gradients are the bits of the checked calls."""
+    from gpu_checks import seed_of
+    from cupyflash import _validate
+    q, k, v, dout, cq, ck = gpu_inputs("bf16", LENS_Q, LENS_K, 4, 2, 128, seed_of(request))
+    out, lse = cf.flash_attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True)
+    grads = cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, causal=True, deterministic=True)
+
+    def refuse(*args):
+        raise AssertionError("the offsets were read and checked")
+    monkeypatch.setattr(_validate, "check_cu_seqlens", refuse)
+    maxima = (max(LENS_Q), max(LENS_K))
+    got, got_lse = cf.flash_attention_varlen(q, k, v, cq, ck, *maxima, causal=True, return_lse=True,
+                                             check_offsets=False)
+    got_grads = cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, *maxima, causal=True,
+                                                   deterministic=True, check_offsets=False)
+    for name, a, b in (("out", got, out), ("lse", got_lse, lse), *zip(("dq", "dk", "dv"), got_grads, grads)):
+        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all()), name
