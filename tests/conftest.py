@@ -1,5 +1,7 @@
 """Shared test setup: the ``gpu`` marker skips cleanly where no CUDA GPU is present."""
 import functools
+import os
+import random
 
 import pytest
 
@@ -15,6 +17,13 @@ def gpu_skip_reason():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped where there is none)")
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # The controller of a pytest-xdist run, before its workers start: they share one
+        # GPU fuzz seed (each would draw its own, and the summary names one), and their
+        # fuzz example counts come back here to be printed.
+        os.environ.setdefault("CUPYFLASH_FUZZ_SEED", str(random.SystemRandom().randrange(2**32)))
+        from strategies import WorkerExampleCounts
+        config.pluginmanager.register(WorkerExampleCounts(), "fuzz-example-counts")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -839,12 +839,39 @@ class ExampleCounts:
         if not config.pluginmanager.is_registered(self):
             config.pluginmanager.register(self)
 
+    def pytest_sessionfinish(self, session):
+        """In a pytest-xdist worker: the counts go to the controller (WorkerExampleCounts),
+        which prints them; a worker prints no summary."""
+        out = getattr(session.config, "workeroutput", None)
+        if out is not None and self.counts:
+            out.setdefault("example_counts", []).append((self.title, dict(self.counts), list(self.notes)))
+
+    def merge(self, counts, notes):
+        self.counts.update(counts)
+        self.notes += [n for n in notes if n not in self.notes]
+
     def pytest_terminal_summary(self, terminalreporter):
         if not self.counts:
             return
         parts = ", ".join(f"{family} {n}" for family, n in self.counts.items())
         line = f"{self.title}: {parts} (total {sum(self.counts.values())})"
         terminalreporter.write_line(line + "".join(f"; {n}" for n in self.notes))
+
+
+class WorkerExampleCounts:
+    """The controller of a pytest-xdist run (tests/conftest.py registers it): the workers'
+    ExampleCounts, added up by title and printed in its summary."""
+
+    def __init__(self):
+        self.by_title = {}
+
+    def pytest_testnodedown(self, node, error):
+        for title, counts, notes in getattr(node, "workeroutput", {}).get("example_counts", ()):
+            self.by_title.setdefault(title, ExampleCounts(title)).merge(counts, notes)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        for counts in self.by_title.values():
+            counts.pytest_terminal_summary(terminalreporter)
 
 
 # Packed variable-length batches and KV caches: their own small descriptions, reproducible the

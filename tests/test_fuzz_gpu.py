@@ -101,6 +101,12 @@ NumPy fuzz's cases at least HALF_BWD_MIN_ROWS query and key rows, head dims from
 HALF_BWD_MIN_HEADDIM, and HALF_FWD_MIN_ROWS query rows) check each call's rows against the
 references of its sequences or entries stitched together: the rule runs over the whole call.
 150 examples each ran in 43 s on an H200 (kernels partly in the carried cache).
+
+Run the families side by side (``pytest -n 7 tests/test_fuzz_gpu.py``; pytest-xdist): the
+workers share one seed and the summary adds up their counts (tests/conftest.py). On an H200
+machine of 16 cores, with the kernels compiled as examples needed them (a partly filled cache),
+all seven took 230 s, the longest family (bwd_atomic) 225 s; one after another they did not
+finish within a 530 s device call.
 """
 import functools
 import os
