@@ -119,7 +119,7 @@ import pytest
 pytest.importorskip("hypothesis")
 cp = pytest.importorskip("cupy")
 
-from hypothesis import given, seed, settings  # noqa: E402
+from hypothesis import given, reject, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import cupyflash as cf  # noqa: E402
@@ -181,9 +181,11 @@ HALF_BWD_MIN_HEADDIM = 16
 # fp16/bf16 families hold HALF_MIN_KEYS keys or more, so that not every row sees one key only:
 # there dS = 0 exactly in the reference and in a naive implementation alike, while the
 # kernels' dS = P (dP - D) is fp32 noise (dP and D = rowsum(dout * out) summed in different
-# orders), and the rule would hold that noise to an error of 0 (a precaution: the NumPy path
-# standing in for the kernels on the CPU has no such noise to show). With dropout the same
-# rows fail in earnest, and windows drawn with it keep HALF_MIN_KEYS too (``variant_cases``).
+# orders), and the rule would hold that noise to an error of 0. Built-in windows under which
+# every row sees one key ((0, 0), or (0, any) with causal) showed it on the H200 (seed
+# 2070014269: bf16 d=189 and fp16 d=208, dk off by 4.7e-6 and 4.2e-6 where the slack for
+# gradients of size ~4 is 4.1e-6): the gradient families draw none (``variant_cases``). With
+# dropout the same rows fail in earnest, and windows drawn with it keep HALF_MIN_KEYS too.
 MODS_ONE_IN = int(os.environ.get("CUPYFLASH_FUZZ_MODS_ONE_IN", "16"))
 HALF_MIN_KEYS = 8
 
@@ -227,7 +229,9 @@ def variant_cases(draw, *, shape, mods=no_mods, mask=no_mask, with_window=True,
     of one key per block (seqlen_k = 1 does not come up with these families' min_rows and
     GPU_SHAPES, 64 n + 1 where block masks are drawn), and a window bounds each side at
     HALF_MIN_KEYS keys or more, or not at all (rows at the ends of the band that see fewer
-    come with rows that see 2, 3, ... keys, as under causal)."""
+    come with rows that see 2, 3, ... keys, as under causal). Without dropout these
+    families draw no window under which every row sees one key (the comment at
+    HALF_MIN_KEYS)."""
     s = draw(shape)
     # The last key block holds one key: the whole sequence's, or a block mask's.
     one_key = s.sk == 1 or (mask is not no_mask and
@@ -238,7 +242,7 @@ def variant_cases(draw, *, shape, mods=no_mods, mask=no_mask, with_window=True,
     features = draw(st.sampled_from(choices))
     dropout = "dropout" in features
     min_side = HALF_MIN_KEYS if half_grads and dropout else 0
-    return draw(cases(
+    case = draw(cases(
         shape=st.just(s),
         window=functools.partial(windows, min_side=min_side) if "window" in features
         else no_window,
@@ -248,6 +252,10 @@ def variant_cases(draw, *, shape, mods=no_mods, mask=no_mask, with_window=True,
         mask=no_mask if "window" in features else mask,
         mods=(lambda score, mask: mods(False, mask)) if dropout else mods,
         **fields))
+    left, right = case.window_size
+    if half_grads and left == 0 and (right == 0 or case.causal):
+        reject()
+    return case
 
 
 COUNTS = ExampleCounts("fuzz examples run per family (GPU)")
