@@ -21,7 +21,8 @@ def pytest_configure(config):
         # The controller of a pytest-xdist run, before its workers start: they share one
         # GPU fuzz seed (each would draw its own, and the summary names one), and their
         # fuzz example counts come back here to be printed.
-        os.environ.setdefault("CUPYFLASH_FUZZ_SEED", str(random.SystemRandom().randrange(2**32)))
+        if not os.environ.get("CUPYFLASH_FUZZ_SEED", "").strip():
+            os.environ["CUPYFLASH_FUZZ_SEED"] = str(random.SystemRandom().randrange(2**32))
         from strategies import WorkerExampleCounts
         config.pluginmanager.register(WorkerExampleCounts(), "fuzz-example-counts")
 
