@@ -11,7 +11,7 @@ from .api import _as_backend, _call_spec
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens,
                                  block_table=None, causal=False, window_size=(-1, -1),
                                  softcap=0.0, alibi_slopes=None, softmax_scale=None,
-                                 num_splits=0, return_lse=False):
+                                 num_splits=0, return_lse=False, check_lengths=True):
     """Attention of a few new queries per sequence over the keys of a KV cache, after
     appending the new keys and values to it.
 
@@ -42,17 +42,23 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
         for few long sequences), at most 128 (as FlashAttention; a larger count runs 128);
         0 picks it from the SM count and the lengths.
 
+    check_lengths : bool
+        True (the default): the lengths and the block table are read to the host and checked
+        before anything is written (a copy of a few bytes that waits for the stream): an
+        append past the capacity or a page index out of range raises ValueError and leaves
+        the caches untouched. False: they are not read (no copy, no wait; FlashAttention's
+        behaviour) and are trusted, as inside a CUDA graph capture, where they cannot be
+        read: wrong ones write and read out of place, unreported. Trusted lengths need the
+        decode kernels (fp16/bf16, rows 16-byte aligned); the grids then cover the capacity.
+        NumPy inputs are always checked.
+
     Returns
     -------
     out like q, or ``(out, lse)`` with lse (batch, nheads, seqlen_q).
-
-    The lengths and the block table are read to the host and checked before anything is
-    written (a copy of a few bytes that waits for the stream): an append past the capacity or
-    a page index out of range raises ValueError and leaves the caches untouched. Inside a CUDA
-    graph capture they cannot be read: they are trusted there (fp16/bf16 only).
     """
     causal = _validate.check_flag("causal", causal)
     return_lse = _validate.check_flag("return_lse", return_lse)
+    check_lengths = _validate.check_flag("check_lengths", check_lengths)
     window_size = _validate.check_window_size(window_size, None)
     num_splits = _validate.check_int("num_splits", num_splits, 0, 1024)
     if (k is None) != (v is None):
@@ -86,7 +92,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
                                  alibi_slopes, scale)
         else:
             out, lse = _gpu(xp, cache, q, k_cache, v_cache, k, v, spec, scale, alibi_slopes,
-                            num_splits, causal, window_size, softcap)
+                            num_splits, causal, window_size, softcap, check_lengths)
         out = _arrays.to_caller(out, kind)
         return (out, _arrays.to_caller(lse, kind)) if return_lse else out
 
@@ -124,15 +130,17 @@ def _gathered(xp, cache, q, k_cache, v_cache, lens, causal, window_size, softcap
 
 
 def _gpu(cp, cache, q, k_cache, v_cache, k, v, spec, scale, alibi_slopes, num_splits, causal,
-         window_size, softcap):
+         window_size, softcap, check_lengths):
     from . import _launch
     capturing = _arrays.capturing(cp)
-    lens = None if capturing else cache.host_lengths()
     decode = _launch.decode_supported(spec, q, k_cache, v_cache, k, v)
-    if capturing and not decode:
-        raise RuntimeError("flash_attention_with_kvcache gathers the cache on the host for these "
-                           "inputs (not fp16/bf16, or rows not 16-byte aligned), which cannot run "
-                           "inside a CUDA graph capture")
+    if (capturing or not check_lengths) and not decode:
+        raise (RuntimeError if capturing else ValueError)(
+            "flash_attention_with_kvcache gathers the cache on the host for these inputs (not "
+            "fp16/bf16, or rows not 16-byte aligned), which reads the lengths: "
+            + ("that cannot run inside a CUDA graph capture" if capturing else "check_lengths=False "
+               "cannot skip the read there"))
+    lens = None if capturing or not check_lengths else cache.host_lengths()
     layout = cache.layout(lens)
     _launch.check_supported(spec, None)
     if k is not None:

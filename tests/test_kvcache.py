@@ -96,6 +96,15 @@ def test_bad_input_raises_and_leaves_the_cache(change, err, match):
     assert np.array_equal(args["k_cache"], before[0]) and np.array_equal(args["v_cache"], before[1])
 
 
+def test_numpy_lengths_are_checked_even_unchecked():
+    """NumPy inputs read their lengths for free: check_lengths=False still checks them."""
+    args = _bad_call(cache_seqlens=np.array([3, 31], np.int32))
+    with pytest.raises(ValueError, match="the cache is too small for the append"):
+        cf.flash_attention_with_kvcache(**args, check_lengths=False)
+    with pytest.raises(TypeError, match="check_lengths must be a bool"):
+        cf.flash_attention_with_kvcache(**_bad_call(), check_lengths=None)
+
+
 def test_page_size_must_be_a_multiple_of_16():
     k_cache = np.zeros((4, 24, 1, 8), np.float32)
     with pytest.raises(ValueError, match=r"page_size 24 \(axis 1\) must be a multiple of 16"):
@@ -178,6 +187,38 @@ def test_gpu_decode_merge_is_the_split_pass_dependent(monkeypatch, request):
     monkeypatch.setattr(_driver, "launch_dependent", spy)
     run_gpu("bf16", 2, 1, 8, 2, 128, False, 0, 4096, [4000, 4096], 0, request, num_splits=16)
     assert grids == ([(1, 8, 2)] if int(cp.cuda.Device().compute_capability) >= 90 else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_unchecked_lengths_are_not_read(paged, request, monkeypatch):
+    """check_lengths=False: the lengths and the table are never read to the host (the check
+    is never reached); the appended caches, out and lse are the bits of a checked call's (the
+    grids then cover the capacity, which the longest entry fills here, so that both calls
+    split the keys alike). Inputs only the host gather takes refuse it before anything is
+    written."""
+    from gpu_checks import seed_of
+    from cupyflash import _validate
+    made = [make_cache(cp, DTYPES["bf16"], 3, 2, 128, paged, 16, 1000, seed_of(request)) for _ in range(2)]
+    q = random_array(cp, (3, 1, 8, 128), DTYPES["bf16"], 5)
+    k, v = (random_array(cp, (3, 1, 2, 128), DTYPES["bf16"], s) for s in (6, 7))
+    lens = cp.asarray(np.array([0, 517, 999], np.int32))
+    results = []
+    for check, (k_cache, v_cache, table) in zip((True, False), made):
+        if not check:
+            monkeypatch.setattr(_validate, "check_cache_lengths", lambda *a: pytest.fail("lengths were read"))
+        results.append(cf.flash_attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens,
+                                                       block_table=table, return_lse=True, check_lengths=check)
+                       + (k_cache, v_cache))
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), *results):
+        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all()), name
+    k_cache, v_cache, table = made[0]
+    q32, k32 = q.astype(cp.float32), k_cache.astype(cp.float32)
+    before = k32.copy()
+    with pytest.raises(ValueError, match="check_lengths=False cannot skip the read"):
+        cf.flash_attention_with_kvcache(q32, k32, k32, k=k.astype(cp.float32), v=v.astype(cp.float32),
+                                        cache_seqlens=lens, block_table=table, check_lengths=False)
+    assert bool((k32 == before).all())
 
 
 @pytest.mark.gpu
