@@ -12,7 +12,8 @@ bytes / time: it reads and writes them).
 
 Our calls run as CUDA graph replays, as serving engines run decode steps: inside a capture the
 lengths are trusted (an eager call reads them to the host to check them first; its time is in
-the JSON too). Peers, timed eagerly (one launch each): PyTorch SDPA at seqlen_q = 1 with
+the JSON too, ``eager_ms``, and that of eager calls with ``check_lengths=False``,
+``eager_unchecked_ms``: CUDA-event times, the host's own time per call not included). Peers, timed eagerly (one launch each): PyTorch SDPA at seqlen_q = 1 with
 enable_gqa on the contiguous cache (each backend that accepts it), and for paged caches a
 gather of the pages by the block table followed by SDPA (cuDNN, else the first backend that
 runs), where the gathered copy fits. Writes DIR/bench_decode.json and prints the table last.
@@ -101,11 +102,16 @@ def main():
 
                 def ours(kc=kc, vc=vc, table=table):
                     return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
+                def ours_unchecked(kc=kc, vc=vc, table=table):
+                    return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                                           check_lengths=False)
                 eager = bench.time_calls(clock, [ours], args.reps)
+                unchecked = bench.time_calls(clock, [ours_unchecked], args.reps)
                 stream, graph, _result = bench.timing.graph_of(ours)
                 with stream:
                     replay = bench.time_calls(clock, [lambda g=graph, s=stream: g.launch(s)], args.reps)
-                add("cupyflash", layout, batch, context, replay, eager_ms=eager["ms"])
+                add("cupyflash", layout, batch, context, replay, eager_ms=eager["ms"],
+                    eager_unchecked_ms=unchecked["ms"])
                 if torch is None:
                     add("sdpa", layout, batch, context, {"error": torch_error})
                     continue
