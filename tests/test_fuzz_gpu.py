@@ -105,8 +105,8 @@ references of its sequences or entries stitched together: the rule runs over the
 Run the families side by side (``pytest -n 7 tests/test_fuzz_gpu.py``; pytest-xdist): the
 workers share one seed and the summary adds up their counts (tests/conftest.py). On an H200
 machine of 16 cores, with the kernels compiled as examples needed them (a partly filled cache),
-all seven took 230 s, the longest family (bwd_atomic) 225 s; one after another they did not
-finish within a 530 s device call.
+all seven took 230-274 s, the longest family (bwd_atomic) 225-268 s; one after another they
+did not finish within a 530 s device call.
 """
 import functools
 import os
