@@ -6,6 +6,7 @@ current stream; nothing here synchronizes.
 """
 import dataclasses
 import functools
+import math
 import os
 from typing import NamedTuple
 
@@ -785,6 +786,7 @@ def decode_supported(spec, q, k_cache, v_cache, k=None, v=None):
     return spec.dtype in TENSOR_CORE and _vec_ok(*arrays)
 
 
+@functools.lru_cache(maxsize=1024)   # a decoding loop asks again with the same numbers
 def decode_splits(blocks, max_keys, slots, requested=0):
     """Splits of each entry's keys: ``requested``, or the fewest whose blocks fill the GPU's
     ``slots`` (SMs x blocks per SM) in waves at least 95% full, else the count that fills them
@@ -801,7 +803,7 @@ def decode_splits(blocks, max_keys, slots, requested=0):
         return 1
     def efficiency(n):
         waves = blocks * n / slots
-        return waves / np.ceil(waves)
+        return waves / math.ceil(waves)
     counts = [n for n in range(1, most + 1)
               if n == 1 or _config.cdiv(steps, n) != _config.cdiv(steps, n - 1)]
     full = [n for n in counts if efficiency(n) >= 0.95]
