@@ -134,12 +134,12 @@ def _gpu(cp, cache, q, k_cache, v_cache, k, v, spec, scale, alibi_slopes, num_sp
     from . import _launch
     capturing = _arrays.capturing(cp)
     decode = _launch.decode_supported(spec, q, k_cache, v_cache, k, v)
-    if (capturing or not check_lengths) and not decode:
-        raise (RuntimeError if capturing else ValueError)(
-            "flash_attention_with_kvcache gathers the cache on the host for these inputs (not "
-            "fp16/bf16, or rows not 16-byte aligned), which reads the lengths: "
-            + ("that cannot run inside a CUDA graph capture" if capturing else "check_lengths=False "
-               "cannot skip the read there"))
+    if not decode and (capturing or not check_lengths):
+        gather = ("flash_attention_with_kvcache gathers the cache on the host for these inputs "
+                  "(not fp16/bf16, or rows not 16-byte aligned), which reads the lengths: ")
+        if capturing:
+            raise RuntimeError(gather + "that cannot run inside a CUDA graph capture")
+        raise ValueError(gather + "check_lengths=False cannot skip the read there")
     lens = None if capturing or not check_lengths else cache.host_lengths()
     layout = cache.layout(lens)
     _launch.check_supported(spec, None)
