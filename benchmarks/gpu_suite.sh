@@ -18,7 +18,8 @@
 # (recorded in the JSON; on a lent device machine the copied .git may name an older commit),
 # PREWARM=0 to skip the parallel compile, PREWARM_JOBS (default: CPU count),
 # SKIP_SANITIZE=1 / SKIP_DENSE_BENCH=1 / SKIP_SPARSE_BENCH=1 to skip compute-sanitizer / the
-# comparison / the block-sparse benchmark.
+# comparison / the block-sparse benchmark, SUITE_JOBS=N to run the tests in N processes
+# (pytest-xdist; the GPU fuzz's seven families then run side by side: tests/test_fuzz_gpu.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -125,10 +126,14 @@ TIMEOUT=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     TIMEOUT=(--timeout=600)
 fi
+JOBS=()
+if [ "${SUITE_JOBS:-1}" -gt 1 ]; then
+    JOBS=(-n "$SUITE_JOBS")
+fi
 SECONDS=0
 # junit_family=legacy: the junit XML of pytest's default family drops record_property's
 # values, which the summary below reads.
-"$PY" -m pytest "${TESTS[@]}" -q -rs ${TIMEOUT[@]+"${TIMEOUT[@]}"} -p no:cacheprovider \
+"$PY" -m pytest "${TESTS[@]}" -q -rs ${TIMEOUT[@]+"${TIMEOUT[@]}"} ${JOBS[@]+"${JOBS[@]}"} -p no:cacheprovider \
     -o junit_family=legacy --junitxml="$LOGS/gpu_tests.xml" 2>&1 | tee "$LOGS/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
 echo "tests took ${SECONDS} s (exit $TEST_RC)"
