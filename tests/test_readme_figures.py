@@ -1,6 +1,6 @@
-"""The README's Hopper table (ours / cuDNN SDPA TFLOP/s, bf16) is the benchmark JSON it names:
-every figure, the SDPA flash line under it and the fp16 remark, read from that file. No GPU:
-the JSON is a committed run."""
+"""The README's Hopper table (ours / cuDNN SDPA TFLOP/s, bf16) and its packed-batch table are
+the benchmark JSONs they name: every figure (for the Hopper table also the SDPA flash line
+under it and the fp16 remark) read from that file. No GPU: the JSONs are committed runs."""
 import json
 import re
 from pathlib import Path
@@ -44,3 +44,27 @@ def test_readme_hopper_figures_are_the_cited_run():
     worst = max(1 - t[("cupyflash", p, "float16", hd, c, s)] / t[("cupyflash", p, "bfloat16", hd, c, s)]
                 for p in ("fwd", "bwd") for hd in (64, 128, 256) for c in (False, True) for s in SEQLENS)
     assert round(100 * worst, 1) == float(percent)
+
+
+def test_readme_varlen_table_is_the_cited_run():
+    """The packed-batch table (TFLOP/s on real tokens, the ratio to dense at the mean length)
+    is the bench_varlen JSON it names."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("**Packed batches**: `python benchmarks/bench_varlen.py --out DIR` times")
+    section = text[start:text.index("**Decoding**", start)]
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", section)
+    rows = json.loads((ROOT / path).read_text())["rows"]
+    found = {(r["impl"], r["pass_"], r["causal"]): r["tflops"] for r in rows if r.get("tflops")}
+    lines = re.findall(r"^\| (causal )?(fwd|bwd) \| (.*) \|$", section, re.M)
+    assert len(lines) == 4
+    impls = ("varlen", "varlen_unchecked", "varlen_graph", "dense_mean", "sdpa_cudnn_padded")
+    for causal, pass_, cells in lines:
+        cells = cells.split(" | ")
+        assert len(cells) == len(impls)
+        dense = found[("dense_mean", pass_, bool(causal))]
+        for impl, cell in zip(impls, cells):
+            value = found[(impl, pass_, bool(causal))]
+            number, *ratio = cell.replace("(", "").replace(")", "").split()
+            assert int(number) == round(value), (impl, pass_, causal)
+            if ratio:
+                assert float(ratio[0]) == round(value / dense, 2), (impl, pass_, causal)
