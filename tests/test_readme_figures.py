@@ -68,3 +68,23 @@ def test_readme_varlen_table_is_the_cited_run():
             assert int(number) == round(value), (impl, pass_, causal)
             if ratio:
                 assert float(ratio[0]) == round(value / dense, 2), (impl, pass_, causal)
+
+
+def test_readme_eager_decode_figures_are_the_cited_run():
+    """The eager decode sentence's ranges (batch 1 and 8 at 8K, every layout) are those of the
+    bench_decode JSON it names, and unchecked eager calls take a replay's time there (within
+    5%)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Eager calls that check their lengths leave the GPU idle")
+    sentence = text[start:text.index("not included)", start)]
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
+    eager_lo, eager_hi, replay_lo, replay_hi = (float(x) for x in re.search(
+        r"([\d.]+)-([\d.]+) ms per call where a replay takes (\d+)-(\d+) us", sentence).groups())
+    rows = [r for r in json.loads((ROOT / path).read_text())["rows"]
+            if r["impl"] == "cupyflash" and r["batch"] in (1, 8) and r["context"] == 8192]
+    assert len(rows) == 6
+    eager = [r["eager_ms"] for r in rows]
+    replay = [r["ms"] * 1e3 for r in rows]
+    assert (round(min(eager), 2), round(max(eager), 2)) == (eager_lo, eager_hi)
+    assert (int(min(replay)), round(max(replay))) == (replay_lo, replay_hi)
+    assert all(abs(r["eager_unchecked_ms"] / r["ms"] - 1) < 0.05 for r in rows)
