@@ -60,19 +60,14 @@ def run_tree(tree, cells, dtype, reps, peer):
 def decode_row(cell, reps):
     """A decode cell's row: the median of ``reps`` graph replays of one call, in ms."""
     import cupy as cp
-    import numpy as np
     import cupyflash as cf
     from cupyflash import bench
     import bench_decode as bd   # after cupyflash: its path entry must not pick the package
     _, batch, context, layout = cell.split(":")
     batch, context = int(batch), int(context)
-    k, v = bd.random_cache(cp, batch, context)
+    k, v, table = bd.as_layout(cp, *bd.random_cache(cp, batch, context), layout)
     q = cp.random.standard_normal((batch, 1, bd.NHEADS, bd.HEADDIM), dtype=cp.float32).astype(k.dtype)
     lens = cp.full(batch, context, cp.int32)
-    table = None
-    if layout != "contiguous":
-        k, v = (x.reshape(-1, int(layout[4:]), bd.NHEADS_K, bd.HEADDIM) for x in (k, v))
-        table = cp.asarray(np.random.default_rng(0).permutation(k.shape[0]).astype(np.int32).reshape(batch, -1))
     stream, graph, _ = bench.timing.graph_of(
         lambda: cf.flash_attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table))
     with stream:

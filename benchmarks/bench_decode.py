@@ -13,10 +13,11 @@ bytes / time: it reads and writes them).
 Our calls run as CUDA graph replays, as serving engines run decode steps: inside a capture the
 lengths are trusted (an eager call reads them to the host to check them first; its time is in
 the JSON too, ``eager_ms``, and that of eager calls with ``check_lengths=False``,
-``eager_unchecked_ms``: CUDA-event times, the host's own time per call not included). Peers, timed eagerly (one launch each): PyTorch SDPA at seqlen_q = 1 with
-enable_gqa on the contiguous cache (each backend that accepts it), and for paged caches a
-gather of the pages by the block table followed by SDPA (cuDNN, else the first backend that
-runs), where the gathered copy fits. Writes DIR/bench_decode.json and prints the table last.
+``eager_unchecked_ms``: CUDA-event times, the host's own time per call not included). Peers,
+timed eagerly (one launch each): PyTorch SDPA at seqlen_q = 1 with enable_gqa on the contiguous
+cache (each backend that accepts it), and for paged caches a gather of the pages by the block
+table followed by SDPA (cuDNN, else the first backend that runs), where the gathered copy fits.
+Writes DIR/bench_decode.json and prints the table last.
 """
 import argparse
 import sys
@@ -52,6 +53,17 @@ def random_cache(cp, batch, context):
         k[b] = cp.random.standard_normal(k.shape[1:], dtype=cp.float32).astype(dtype)
         v[b] = cp.random.standard_normal(k.shape[1:], dtype=cp.float32).astype(dtype)
     return k, v
+
+
+def as_layout(cp, k_cache, v_cache, layout):
+    """The caches as ``layout`` ("contiguous", "page16", "page256"): the same memory cut into
+    pages, the block table a random permutation of them (seed 0). Returns k, v, table."""
+    if layout == "contiguous":
+        return k_cache, v_cache, None
+    batch, page = k_cache.shape[0], int(layout[4:])
+    kc, vc = (x.reshape(-1, page, NHEADS_K, HEADDIM) for x in (k_cache, v_cache))
+    perm = np.random.default_rng(0).permutation(kc.shape[0]).astype(np.int32)
+    return kc, vc, cp.asarray(perm.reshape(batch, -1))
 
 
 def main():
@@ -93,20 +105,13 @@ def main():
             q = cp.random.standard_normal((batch, 1, NHEADS, HEADDIM), dtype=cp.float32).astype(k_cache.dtype)
             lens = cp.full(batch, context, cp.int32)
             for layout in ("contiguous",) + tuple(f"page{p}" for p in PAGES):
-                kc, vc, table = k_cache, v_cache, None
-                if layout != "contiguous":
-                    ps = int(layout[4:])
-                    kc, vc = (x.reshape(-1, ps, NHEADS_K, HEADDIM) for x in (k_cache, v_cache))
-                    perm = np.random.default_rng(0).permutation(kc.shape[0]).astype(np.int32)
-                    table = cp.asarray(perm.reshape(batch, -1))
+                kc, vc, table = as_layout(cp, k_cache, v_cache, layout)
 
-                def ours(kc=kc, vc=vc, table=table):
-                    return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
-                def ours_unchecked(kc=kc, vc=vc, table=table):
+                def ours(kc=kc, vc=vc, table=table, check=True):
                     return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
-                                                           check_lengths=False)
+                                                           check_lengths=check)
                 eager = bench.time_calls(clock, [ours], args.reps)
-                unchecked = bench.time_calls(clock, [ours_unchecked], args.reps)
+                unchecked = bench.time_calls(clock, [lambda: ours(check=False)], args.reps)
                 stream, graph, _result = bench.timing.graph_of(ours)
                 with stream:
                     replay = bench.time_calls(clock, [lambda g=graph, s=stream: g.launch(s)], args.reps)

@@ -76,23 +76,19 @@ def rows_for(lens, causal, reps):
     packed = sets((total, NHEADS, HEADDIM), (total, NHEADS, HEADDIM))
     fwd = [(s, cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, causal=causal, return_lse=True))
            for s in packed]
-    add("varlen", "fwd", timing.time_calls(clock, [
-        lambda s=s: cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, causal=causal, return_lse=True)
-        for s in packed], reps), list(packed[0][0].shape))
-    add("varlen", "bwd", timing.time_calls(clock, [
-        lambda s=s, o=o: cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu,
-                                                            causal=causal)
-        for s, o in fwd], reps), list(packed[0][0].shape))
-    # The same calls with the maximums given and check_offsets=False: no read, no wait.
+    # Eager calls: the offsets read and checked, then (the maximums given, check_offsets=False)
+    # neither read nor waited for.
     longest = int(lens.max())
-    add("varlen_unchecked", "fwd", timing.time_calls(clock, [
-        lambda s=s: cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, longest, longest, causal=causal,
-                                              return_lse=True, check_offsets=False)
-        for s in packed], reps), list(packed[0][0].shape))
-    add("varlen_unchecked", "bwd", timing.time_calls(clock, [
-        lambda s=s, o=o: cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu, longest,
-                                                            longest, causal=causal, check_offsets=False)
-        for s, o in fwd], reps), list(packed[0][0].shape))
+    for impl, args, kw in (("varlen", (), {}),
+                           ("varlen_unchecked", (longest, longest), {"check_offsets": False})):
+        add(impl, "fwd", timing.time_calls(clock, [
+            lambda s=s: cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, *args, causal=causal,
+                                                  return_lse=True, **kw)
+            for s in packed], reps), list(packed[0][0].shape))
+        add(impl, "bwd", timing.time_calls(clock, [
+            lambda s=s, o=o: cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu,
+                                                                *args, causal=causal, **kw)
+            for s, o in fwd], reps), list(packed[0][0].shape))
     # The same calls as CUDA graph replays: the maximums given, the offsets trusted, no read
     # to the host between calls (the kernels' time alone).
 
