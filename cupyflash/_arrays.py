@@ -249,6 +249,28 @@ def _capture_pool(device_id):
     return _cupy().cuda.MemoryPool()
 
 
+class HostCopy:
+    """Small device arrays copied to the host on CuPy's current stream: queued together into
+    pinned buffers, waited for together (``wait``, one wait for the stream, not one per
+    array), with host work free to run in between. An array given twice is copied once."""
+
+    def __init__(self, arrays):
+        import cupyx
+        cp = _cupy()
+        self._order = [next(i for i, b in enumerate(arrays) if b is a) for a in arrays]
+        self._pinned = {}
+        for i in dict.fromkeys(self._order):
+            a = cp.ascontiguousarray(arrays[i])
+            self._pinned[i] = a.get(out=cupyx.empty_pinned(a.shape, a.dtype), blocking=False)
+        self._done = cp.cuda.Event(disable_timing=True)
+        self._done.record()
+
+    def wait(self):
+        """The NumPy copies, in the order given (their own memory, not the pinned buffers)."""
+        self._done.synchronize()
+        return [np.array(self._pinned[i]) for i in self._order]
+
+
 def capturing(cp):
     """Whether CuPy's current stream is being captured into a CUDA graph."""
     return cp.cuda.runtime.streamIsCapturing(cp.cuda.get_current_stream().ptr) != 0

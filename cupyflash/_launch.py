@@ -4,10 +4,12 @@
 field for field (aligned NumPy dtypes: the C layout rules). Every launch goes to CuPy's
 current stream; nothing here synchronizes.
 """
+import contextlib
 import dataclasses
 import functools
 import math
 import os
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -259,6 +261,41 @@ def _user_tile(pass_, spec, smem_limit, limits, deterministic, name_of, device_i
     return _USER_TILES[key]
 
 
+_deferred = threading.local()   # a check to run before this thread's next launch or fill
+
+
+@contextlib.contextmanager
+def checked_before_launch(check):
+    """Run ``check()`` (which may raise) inside the block just before its first launch or
+    fill (``settle``), or at its end where there is none. The host work before that launch
+    (parameters, tensor maps) then runs while the GPU works through the stream's earlier
+    work, which a read to the host that ``check`` waits for queues behind; an error still
+    comes before anything is launched."""
+    settle()
+    _deferred.check = check
+    try:
+        yield
+        settle()
+    finally:
+        _deferred.check = None
+
+
+def settle():
+    """Run the pending ``checked_before_launch`` check, if any: every launch and fill of a
+    call comes after it."""
+    check = getattr(_deferred, "check", None)
+    if check is not None:
+        _deferred.check = None
+        check()
+
+
+def zeros(shape, dtype):
+    """``cupy.zeros`` (a fill on the stream) after ``settle``."""
+    import cupy
+    settle()
+    return cupy.zeros(shape, dtype)
+
+
 def _launch(filename, name, grid, threads, smem, params, user_mods="", dependent=False):
     """Launch template instantiation ``name`` of ``cuda/<filename>``, with the call's user
     mods (``mods.prelude``) spliced into its source; ``params``: its one argument, or a tuple
@@ -267,6 +304,7 @@ def _launch(filename, name, grid, threads, smem, params, user_mods="", dependent
     ``launch_dependents`` (cuda/common.cuh), beside its last ones: the kernel waits for what it
     reads itself."""
     import cupy
+    settle()
     kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem,
                      _compile.ARCH_SPECIFIC.get(filename))
     args = params if isinstance(params, tuple) else (params,)
@@ -314,7 +352,7 @@ def classify_blocks(user_mods, arrays, seqlen_q, seqlen_k, block_q, block_k, hea
     if heads * batch > _config.MAX_GRID_YZ or nbq > _config.MAX_GRID_YZ:
         raise ValueError(f"mask_mod: (batch x nheads, query blocks) = ({heads * batch}, {nbq}) "
                          f"exceeds the grid limit {_config.MAX_GRID_YZ}")
-    counts = cupy.zeros((heads, nbq, nbk), cupy.int32)
+    counts = zeros((heads, nbq, nbk), cupy.int32)
     p = np.zeros((), CLASSIFY_PARAMS)
     _fill_user(p["user"], arrays)
     p["counts"] = counts.data.ptr
@@ -587,8 +625,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
     tp["base"] = p
     tp["dq_done"] = done
     if deterministic:
-        import cupy
-        order = cupy.zeros((b, h, _config.cdiv(sq, 64)), cupy.int32)   # per 64 rows
+        order = zeros((b, h, _config.cdiv(sq, 64)), np.int32)   # per 64 rows
         tp["dq_order"] = order.data.ptr
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
         tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
@@ -617,8 +654,7 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
     # of the grid from the counter; else one block per tile.
     blocks = int(np.prod(tp["grid"], dtype=np.int64))
     if hd <= 128:
-        import cupy
-        counter = cupy.zeros((), np.int32)
+        counter = zeros((), np.int32)
         tp["counter"] = counter.data.ptr
         blocks = min(blocks, _sm_count())
     name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant(), groups, keys)

@@ -367,6 +367,7 @@ def _backward_gpu(dout, q, k, v, out, lse, scale, spec, block_mask, alibi_slopes
     dv = cp.empty(v.shape, v.dtype)
     wanted = score_mod.grad_arrays if score_mod is not None else ()
     gdtype = cp.float64 if q.dtype == cp.float64 else cp.float32   # the kernels' atomics
+    _launch.settle()   # the fills and lse's conversion below are the first work queued
     grads = {slot: cp.zeros(a.shape, gdtype) for slot, (name, a) in enumerate(user)
              if name in wanted}
     with _arrays.scratch(cp):

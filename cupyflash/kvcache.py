@@ -177,15 +177,14 @@ class _Cache:
     def host_lengths(self):
         """The lengths and the block table on the host, checked: the append fits each entry's
         capacity, the pages it uses exist."""
-        if self.seqlens is None:
-            start = np.full(self.batch, self.seqlens_int, np.int64)
-        else:
-            start = np.asarray(self.seqlens if isinstance(self.seqlens, np.ndarray) else self.seqlens.get(), np.int64)
+        given = [a for a in (self.seqlens, self.block_table) if a is not None]
+        if given and not isinstance(given[0], np.ndarray):
+            given = _arrays.HostCopy(given).wait()
+        given = iter(given)
+        start = (np.full(self.batch, self.seqlens_int, np.int64) if self.seqlens is None
+                 else np.asarray(next(given), np.int64))
         keys = start + self.new_keys
-        table = None
-        if self.paged:
-            table = np.asarray(self.block_table if isinstance(self.block_table, np.ndarray)
-                               else self.block_table.get(), np.int64)
+        table = np.asarray(next(given), np.int64) if self.paged else None
         _validate.check_cache_lengths(start, keys, self.capacity, table, self.page_size, self.num_pages)
         self.table_host = table
         return _Lengths(start, keys)

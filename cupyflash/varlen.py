@@ -7,6 +7,7 @@ cu_seqlens_k[b + 1] - 1`` of k and v. Each sequence attends to its own keys only
 dense call per sequence would (causal and windows aligned to each sequence's own bottom-right
 corner), and no work is spent on padding. lse comes packed as ``(nheads, total_q)``.
 """
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -38,7 +39,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     check_offsets : bool
         True (the default): the offsets are read to the host and checked before the launch,
         a copy of 4 (batch + 1) bytes that waits for the stream, so the host cannot queue
-        work ahead of the GPU across the call. False: they are not read (no copy, no wait;
+        work ahead of the GPU across the call. With both maximums given the wait comes just
+        before the launch, after the host has prepared it. False: they are not read (no copy, no wait;
         FlashAttention's behaviour), both maximums must be given, and the offsets are
         trusted: wrong ones give wrong results or memory faults, unreported. Inside a CUDA
         graph capture they cannot be read, and are trusted as with False. NumPy inputs are
@@ -61,8 +63,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                           seed, offset, score_mod, check_offsets, (), ())
     return_lse = _validate.check_flag("return_lse", return_lse)
     q, k, v = call.arrays
-    with _arrays.launch_context(call.kind):
-        packed = call.packed()
+    with _arrays.launch_context(call.kind), call.packed() as packed:
         if call.xp is np:
             out, lse = _numpy_forward(call, packed)
         else:
@@ -100,8 +101,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     if call.score_mod is not None and gradient is None:
         raise ValueError("score_mod has no gradient rule for these inputs: the backward needs "
                          "d loss / d score from dscore")
-    with _arrays.launch_context(call.kind):
-        packed = call.packed()
+    with _arrays.launch_context(call.kind), call.packed() as packed:
         if call.xp is np:
             grads = _numpy_backward(call, packed, dout, out, lse)
         else:
@@ -164,26 +164,39 @@ class _PackedCall:
         return cls((q, k, v), tuple(arrays[5:]), cu, maxima, check, spec, scale, alibi_slopes,
                    score_mod, user, seed, offset, kind, xp)
 
+    @contextlib.contextmanager
     def packed(self):
-        """The offsets checked against the arrays (read to the host, unless they are
-        trusted: check_offsets=False, or a CUDA graph is being captured), as a
-        _launch.Packed with the grids' maximum lengths; run it inside ``launch_context``, so
-        that the read waits on the caller's stream."""
+        """The offsets as a _launch.Packed with the grids' maximum lengths, checked against
+        the arrays after a read to the host, unless they are trusted (check_offsets=False, or
+        a CUDA graph is being captured). Enter it inside ``launch_context``, so that the read
+        waits on the caller's stream. With both maximums given the grids take them, and the
+        check waits until the first launch inside the block
+        (``_launch.checked_before_launch``): the host prepares that launch while the GPU
+        finishes the work the read waits behind."""
         from . import _launch
-        q, k, _ = self.arrays
-        if self.xp is not np and not self.check:
-            return _launch.Packed(*self.cu, *self.maxima)
-        if self.xp is not np and _arrays.capturing(self.xp):
+        if self.xp is np:
+            yield _launch.Packed(*self.cu, *self._longest(self.cu))
+            return
+        if not self.check or _arrays.capturing(self.xp):
             if None in self.maxima:
                 raise RuntimeError("flash_attention_varlen reads cu_seqlens to the host to find "
                                    "the longest sequences, which cannot run inside a CUDA graph "
                                    "capture: pass max_seqlen_q and max_seqlen_k")
-            return _launch.Packed(*self.cu, *self.maxima)
-        host = [np.asarray(c) if self.xp is np else c.get() for c in self.cu]
-        longest = [_validate.check_cu_seqlens(name, c, a.shape[0], m)
-                   for name, c, a, m in zip(("cu_seqlens_q", "cu_seqlens_k"), host, (q, k),
-                                            self.maxima)]
-        return _launch.Packed(*self.cu, *longest)
+            yield _launch.Packed(*self.cu, *self.maxima)
+            return
+        copies = _arrays.HostCopy(self.cu)
+        if None in self.maxima:
+            yield _launch.Packed(*self.cu, *self._longest(copies.wait()))
+            return
+        with _launch.checked_before_launch(lambda: self._longest(copies.wait())):
+            yield _launch.Packed(*self.cu, *self.maxima)
+
+    def _longest(self, host):
+        """Each side's longest sequence, its host offsets checked (ValueError)."""
+        q, k, _ = self.arrays
+        return [_validate.check_cu_seqlens(name, np.asarray(c), a.shape[0], m)
+                for name, c, a, m in zip(("cu_seqlens_q", "cu_seqlens_k"), host, (q, k),
+                                         self.maxima)]
 
     def sequences(self, packed):
         """(b, rows of q, rows of k) of each sequence with queries and keys (NumPy path)."""

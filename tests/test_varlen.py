@@ -191,6 +191,33 @@ def test_numpy_offsets_are_checked_even_unchecked():
                                            check_offsets=False)
 
 
+def test_a_deferred_check_runs_once_before_the_first_launch():
+    """_launch.checked_before_launch: the check runs at the first launch or fill (``settle``),
+    once, or at the block's end where nothing launched; its error leaves nothing pending."""
+    seen = []
+    with _launch.checked_before_launch(lambda: seen.append("check")):
+        seen.append("prepare")
+        _launch.settle()
+        seen.append("launch")
+        _launch.settle()
+    assert seen == ["prepare", "check", "launch"]
+    with _launch.checked_before_launch(lambda: seen.append("at the end")):
+        pass
+    assert seen[-1] == "at the end"
+
+    def bad():
+        raise ValueError("bad offsets")
+    with pytest.raises(ValueError, match="bad offsets"):
+        with _launch.checked_before_launch(bad):
+            _launch.settle()
+            seen.append("launched after a failed check")
+    with pytest.raises(KeyError):   # an error before the launch: the check is dropped with it
+        with _launch.checked_before_launch(bad):
+            raise KeyError("prepare")
+    _launch.settle()
+    assert seen[-1] == "at the end"
+
+
 def test_per_sequence_slopes_need_one_row_per_sequence():
     q, k, v, cq, ck = _args()
     with pytest.raises(ValueError, match=r"alibi_slopes shape \(3, 2\) must be \(nheads,\) = \(2,\) "
@@ -345,6 +372,38 @@ def test_gpu_bad_offsets_raise_before_launch():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_gpu_bad_offsets_with_maximums_raise_before_launch(pass_, monkeypatch):
+    """With both maximums given the check of the offsets waits until just before the first
+    launch: bad offsets still raise before any kernel or fill is queued."""
+    q, k, v, dout, cq, ck = gpu_inputs("bf16", [3, 4], [2, 5], 2, 2, 64, 0)
+    out, lse = cf.flash_attention_varlen(q, k, v, cq, ck, 4, 5, return_lse=True)
+    queued = []
+    monkeypatch.setattr(_launch, "_kernel", lambda *args: queued.append(args))
+    monkeypatch.setattr(cp, "zeros", lambda *args, **kw: queued.append(args))
+
+    def call(cu_q, cu_k, *maxima):
+        if pass_ == "fwd":
+            return cf.flash_attention_varlen(q, k, v, cu_q, cu_k, *maxima)
+        return cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *maxima)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must not decrease"):
+        call(cp.asarray([0, 5, 3], cp.int32), ck, 5, 5)
+    with pytest.raises(ValueError, match=r"max_seqlen_k = 4 is below the longest sequence of cu_seqlens_k \(5\)"):
+        call(cq, ck, 4, 4)
+    assert queued == []
+
+
+@pytest.mark.gpu
+def test_gpu_host_copy_reads_each_array_once_in_order():
+    from cupyflash import _arrays
+    a = cp.arange(5, dtype=cp.int32)
+    b = cp.arange(6, dtype=cp.int64)[::-2]   # strided: copied contiguous first
+    got = _arrays.HostCopy([a, b, a]).wait()
+    assert [g.tolist() for g in got] == [[0, 1, 2, 3, 4], [5, 3, 1], [0, 1, 2, 3, 4]]
+    assert got[0] is not got[2] and got[1].dtype == np.int64
+
+
+@pytest.mark.gpu
 def test_gpu_unchecked_offsets_are_not_read(request, monkeypatch):
     """check_offsets=False: the offsets are never read to the host (the check is never
     reached), and out, lse and the gradients are the bits of the checked calls."""
@@ -353,11 +412,17 @@ def test_gpu_unchecked_offsets_are_not_read(request, monkeypatch):
     q, k, v, dout, cq, ck = gpu_inputs("bf16", LENS_Q, LENS_K, 4, 2, 128, seed_of(request))
     out, lse = cf.flash_attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True)
     grads = cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, causal=True, deterministic=True)
+    maxima = (max(LENS_Q), max(LENS_K))
+    # Checked with the maximums given (the check deferred to the launch): the same bits.
+    got, got_lse = cf.flash_attention_varlen(q, k, v, cq, ck, *maxima, causal=True, return_lse=True)
+    got_grads = cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, *maxima, causal=True,
+                                                   deterministic=True)
+    for name, a, b in (("out", got, out), ("lse", got_lse, lse), *zip(("dq", "dk", "dv"), got_grads, grads)):
+        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all()), name
 
     def refuse(*args):
         raise AssertionError("the offsets were read and checked")
     monkeypatch.setattr(_validate, "check_cu_seqlens", refuse)
-    maxima = (max(LENS_Q), max(LENS_K))
     got, got_lse = cf.flash_attention_varlen(q, k, v, cq, ck, *maxima, causal=True, return_lse=True,
                                              check_offsets=False)
     got_grads = cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, *maxima, causal=True,
