@@ -13,9 +13,13 @@ A cell is headdim:seqlen:causal(0/1):passes[:rule], at the bench's shapes (16K t
 heads x headdim); a rule of bench_variants.py's ours_keywords (softcap, alibi, user_alibi,
 window, ...) times ours with it (TFLOP/s counted as for plain attention). A cell
 decode:batch:context:layout (contiguous, page16, page256) times a decode call of
-bench_decode.py's shapes as it does (CUDA graph replays), in microseconds. ``--peer`` adds
+bench_decode.py's shapes as it does (CUDA graph replays), in microseconds. A cell
+varlen:causal(0/1):pass(fwd/bwd):check (checked: the offsets read, maximums found there; max:
+read, maximums given; unchecked: check_offsets=False) times bench_varlen.py's packed batch
+eagerly, LOOP calls back to back between two events (the median over ``--calls`` loops), in
+ms per call: what a loop of such calls costs, host work included. ``--peer`` adds
 cuDNN SDPA's rows once, in the first tree's first rep (dense cells). The table gives TFLOP/s
-(decode: us) per rep for each tree; untracked trees in the repository root travel to the
+(decode: us, varlen: ms) per rep for each tree; untracked trees in the repository root travel to the
 device machine with the working tree.
 """
 import argparse
@@ -35,9 +39,9 @@ def run_tree(tree, cells, dtype, reps, peer):
     from cupyflash.bench import cases, peers
     rows = []
     for cell in cells:
-        if cell.startswith("decode:"):
-            rows.append(decode_row(cell, reps))
-            bench.release_memory()   # the cell's caches, freed on return
+        if cell.startswith(("decode:", "varlen:")):
+            rows.append((decode_row if cell.startswith("decode:") else varlen_row)(cell, reps))
+            bench.release_memory()   # the cell's arrays, freed on return
             continue
         d, s, causal, passes, *rule = cell.split(":")
         case = cases.Case.dense(int(s), int(d), causal == "1", dtype)
@@ -73,6 +77,47 @@ def decode_row(cell, reps):
     with stream:
         result = bench.time_calls(bench.CupyClock(), [lambda: graph.launch(stream)], reps)
     return {"impl": "cupyflash", "pass": "decode", "ms": result["ms"], "cell": cell}
+
+
+LOOP = 8   # calls per event pair of a varlen cell
+
+
+def varlen_row(cell, reps):
+    """A varlen cell's row: the median over ``reps`` loops of LOOP eager calls, in ms per call."""
+    import statistics
+    import cupy as cp
+    import numpy as np
+    import cupyflash as cf
+    from cupyflash import bench
+    import bench_varlen as bv   # after cupyflash, as bench_decode above
+    _, causal, pass_, check = cell.split(":")
+    causal = causal == "1"
+    lens = bv.lengths(16)
+    total, longest = int(lens.sum()), int(lens.max())
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    cp.random.seed(1)   # drawn on the GPU: the host's draw of 4 x 135M values takes seconds
+    q, k, v, dout = (cp.random.standard_normal((total, bv.NHEADS, bv.HEADDIM), dtype=cp.float32)
+                     .astype(bench.np_dtype(bv.DTYPE)) for _ in range(4))
+    out, lse = cf.flash_attention_varlen(q, k, v, cu, cu, causal=causal, return_lse=True)
+    args, kw = {"checked": ((), {}), "max": ((longest, longest), {}),
+                "unchecked": ((longest, longest), {"check_offsets": False})}[check]
+    if pass_ == "fwd":
+        def call():
+            return cf.flash_attention_varlen(q, k, v, cu, cu, *args, causal=causal, return_lse=True, **kw)
+    else:
+        def call():
+            return cf.flash_attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, *args, causal=causal, **kw)
+    clock, times = bench.CupyClock(), []
+    for i in range(reps + 2):   # two loops of warm-up
+        clock.synchronize()
+        start = clock.event()
+        results = [call() for _ in range(LOOP)]
+        end = clock.event()
+        end.synchronize()
+        del results
+        if i >= 2:
+            times.append(clock.elapsed_ms(start, end) / LOOP)
+    return {"impl": "cupyflash", "pass": pass_, "ms": statistics.median(times), "cell": cell}
 
 
 def main(argv=None):
@@ -112,6 +157,7 @@ def main(argv=None):
                 everything.append(dict(r, tree=name, rep=rep))
                 label = name if r["impl"] == "cupyflash" else r["impl"]
                 value = (f"{r['ms'] * 1e3:.1f}" if r["pass"] == "decode" else
+                         f"{r['ms']:.3f}" if r["cell"].startswith("varlen:") else
                          f"{r['tflops']:.0f}" if r.get("tflops") else (r.get("error") or "?"))
                 table.setdefault((r["cell"], r["pass"]), {}).setdefault(label, []).append(
                     value + (" MISMATCH" if r.get("mismatch") else ""))

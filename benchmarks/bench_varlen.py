@@ -12,8 +12,7 @@ two input sets in turn):
   varlen_max    the same calls with the maximums given (FlashAttention's call): the grids take
                 them, and the check of the offsets waits until just before the launch, so the
                 host prepares the launch while the GPU runs what the read waits behind
-  varlen_max_loop  eight such calls back to back per timed call, the time per call: what a
-                loop of checked calls sees (each call's host work beside the previous kernel)
+                (a loop of such calls: benchmarks/ab_trees.py's varlen cells)
   varlen_unchecked  the same calls with the maximums given and check_offsets=False (no read,
                 no wait: the host queues ahead as for dense calls)
   varlen_graph  the same calls captured in a CUDA graph (maximums given, offsets trusted) and
@@ -43,7 +42,6 @@ from cupyflash._gpu import gpu_or_reason  # noqa: E402
 
 NHEADS, HEADDIM, DTYPE = 16, 128, "bfloat16"
 LENGTHS = (64, 8192)
-LOOP = 8   # calls per timed call of the _loop rows
 
 
 def lengths(n, seed=0):
@@ -84,24 +82,18 @@ def rows_for(lens, causal, reps):
            for s in packed]
     # Eager calls: the offsets read and checked (the maximums found there, or given: then the
     # check waits for the launch), then neither read nor waited for (check_offsets=False).
-    # The _loop rows time LOOP calls back to back per timed call, per call.
     longest = int(lens.max())
-    for impl, args, kw, loop in (("varlen", (), {}, 1),
-                                 ("varlen_max", (longest, longest), {}, 1),
-                                 ("varlen_max_loop", (longest, longest), {}, LOOP),
-                                 ("varlen_unchecked", (longest, longest), {"check_offsets": False}, 1)):
-        def repeat(call, n=loop):
-            return lambda: [call() for _ in range(n)]
-        for pass_, calls in (("fwd", [
-                lambda s=s: cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, *args, causal=causal,
-                                                      return_lse=True, **kw) for s in packed]),
-                             ("bwd", [
-                lambda s=s, o=o: cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu,
-                                                                    *args, causal=causal, **kw)
-                for s, o in fwd])):
-            result = timing.time_calls(clock, [repeat(c) for c in calls], reps)
-            result.update(ms=result["ms"] / loop, min_ms=result["min_ms"] / loop, calls_per_timing=loop)
-            add(impl, pass_, result, list(packed[0][0].shape))
+    for impl, args, kw in (("varlen", (), {}),
+                           ("varlen_max", (longest, longest), {}),
+                           ("varlen_unchecked", (longest, longest), {"check_offsets": False})):
+        add(impl, "fwd", timing.time_calls(clock, [
+            lambda s=s: cf.flash_attention_varlen(s[0], s[1], s[2], cu, cu, *args, causal=causal,
+                                                  return_lse=True, **kw)
+            for s in packed], reps), list(packed[0][0].shape))
+        add(impl, "bwd", timing.time_calls(clock, [
+            lambda s=s, o=o: cf.flash_attention_varlen_backward(s[3], s[0], s[1], s[2], o[0], o[1], cu, cu,
+                                                                *args, causal=causal, **kw)
+            for s, o in fwd], reps), list(packed[0][0].shape))
     # The same calls as CUDA graph replays: the maximums given, the offsets trusted, no read
     # to the host between calls (the kernels' time alone).
 
@@ -213,7 +205,7 @@ def table(rows):
             cells = [f"{'causal' if causal else 'full'} {pass_}",
                      f"{v['tflops']:.0f}" if v else "-", f"{d['tflops']:.0f}" if d else "-",
                      f"{v['tflops'] / d['tflops']:.2f}" if v and d else "-"]
-            for impl in ("varlen_max", "varlen_max_loop", "varlen_unchecked", "varlen_graph"):
+            for impl in ("varlen_max", "varlen_unchecked", "varlen_graph"):
                 g = ms(impl, pass_)
                 cells += [f"{g['tflops']:.0f}" if g else "-", f"{g['tflops'] / d['tflops']:.2f}" if g and d else "-"]
             for impl in ("sdpa_cudnn_padded", "sdpa_flash_padded"):
@@ -223,9 +215,9 @@ def table(rows):
                 p = ms(impl, pass_)
                 cells.append(f"{p['tflops']:.0f}" if p else "-")
             lines.append("| " + " | ".join(cells) + " |")
-    head = ("| pass | varlen TFLOP/s | dense at mean | ratio | maximums given | ratio | 8 in a loop | ratio |"
-            " unchecked offsets | ratio | graph replays | ratio |"
-            " SDPA cuDNN padded | SDPA flash padded | packed equal | dense each |\n" + "|---" * 16 + "|")
+    head = ("| pass | varlen TFLOP/s | dense at mean | ratio | maximums given | ratio | unchecked offsets | ratio |"
+            " graph replays | ratio | SDPA cuDNN padded | SDPA flash padded | packed equal | dense each |\n"
+            + "|---" * 14 + "|")
     return head + "\n" + "\n".join(lines)
 
 

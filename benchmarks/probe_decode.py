@@ -1,10 +1,11 @@
 """Where the time of a batch-1 decode call goes: the split count swept, the split pass timed
 without the merge, and the floor of a timed graph launch.
 
-    python benchmarks/probe_decode.py --out DIR
+    python benchmarks/probe_decode.py --out DIR [--cases 8:8192,...] [--splits 0,1,2,...]
+                                                [--layouts contiguous,page16,page256]
 
 The cases of bench_decode.py (bf16, d=128, 32 query heads over 8 KV heads, one query token,
-full contiguous caches), timed the same way (CUDA graph replays, one per CUDA-event pair):
+full caches, contiguous unless --layouts names others), timed the same way (CUDA graph replays, one per CUDA-event pair):
 - ``floor``: a graph of one empty kernel, and of two (the fixed cost any call pays, and what
   a second kernel adds);
 - ``splits``: num_splits from the list below (0: the heuristic's pick), the whole call;
@@ -18,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import HEADDIM, NHEADS, NHEADS_K, copy_bandwidth, random_cache  # noqa: E402
+from bench_decode import HEADDIM, NHEADS, NHEADS_K, as_layout, copy_bandwidth, random_cache  # noqa: E402
 from cupyflash import bench  # noqa: E402
 
 CASES = ((1, 8192), (1, 32768), (1, 131072), (8, 8192))
@@ -36,7 +37,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--cases", help="batch:context pairs, comma-separated (default: %s)"
+                    % ",".join(f"{b}:{c}" for b, c in CASES))
+    ap.add_argument("--splits", help="num_splits values, comma-separated (default: %s)"
+                    % ",".join(map(str, SPLITS)))
+    ap.add_argument("--layouts", default="contiguous", help="contiguous, page16, page256, ...")
     args = ap.parse_args()
+    cases = ([tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases
+             else CASES)
+    splits = [int(n) for n in args.splits.split(",")] if args.splits else SPLITS
     import cupy as cp
     import cupyflash as cf
     from cupyflash import _launch
@@ -51,22 +60,27 @@ def main():
         if not name.startswith("flash_decode_merge_kernel"):
             launch(filename, name, *rest, **kw)
 
-    for batch, context in CASES:
+    for batch, context in cases:
         k_cache, v_cache = random_cache(cp, batch, context)
         q = cp.random.standard_normal((batch, 1, NHEADS, HEADDIM), dtype=cp.float32).astype(k_cache.dtype)
         lens = cp.full(batch, context, cp.int32)
         kv = 2 * k_cache.nbytes
-        for n in SPLITS:
-            def call(n=n, kc=k_cache, vc=v_cache):
-                return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=n)
-            whole = replay_ms(clock, call, args.reps)
-            _launch._launch = without_merge
-            try:
-                split_pass = replay_ms(clock, call, args.reps)
-            finally:
-                _launch._launch = launch
-            rows.append(dict(kind="splits", batch=batch, context=context, num_splits=n, ms=whole,
-                             split_pass_ms=split_pass, of_copy=kv / (whole * 1e-3) / 1e9 / copy_gbps))
+        for layout in args.layouts.split(","):
+            kc, vc, table = as_layout(cp, k_cache, v_cache, layout)
+            for n in splits:
+                def call(n=n, kc=kc, vc=vc, table=table):
+                    return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                                           num_splits=n)
+                whole = replay_ms(clock, call, args.reps)
+                _launch._launch = without_merge
+                try:
+                    split_pass = replay_ms(clock, call, args.reps)
+                finally:
+                    _launch._launch = launch
+                rows.append(dict(kind="splits", batch=batch, context=context, layout=layout, num_splits=n,
+                                 ms=whole, split_pass_ms=split_pass,
+                                 of_copy=kv / (whole * 1e-3) / 1e9 / copy_gbps))
+            del kc, vc, table
         del k_cache, v_cache
         bench.release_memory()
     doc = bench.report("probe_decode", rows, nheads=NHEADS, nheads_k=NHEADS_K, headdim=HEADDIM,
@@ -74,9 +88,9 @@ def main():
     bench.write_json(Path(args.out) / "probe_decode.json", doc)
     lines = [f"copy {copy_gbps:.0f} GB/s; floor: one kernel {rows[0]['ms'] * 1e3:.1f} us, "
              f"two {rows[1]['ms'] * 1e3:.1f} us",
-             "| batch | context | splits | us | split pass us | of copy |", "|---|---|---|---|---|---|"]
+             "| batch | context | layout | splits | us | split pass us | of copy |", "|---|---|---|---|---|---|---|"]
     for r in rows[2:]:
-        lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {r['num_splits']} | {r['ms'] * 1e3:.1f} | "
+        lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {r['layout']} | {r['num_splits']} | {r['ms'] * 1e3:.1f} | "
                      f"{r['split_pass_ms'] * 1e3:.1f} | {r['of_copy']:.2f} |")
     print("\n".join(lines))
 
