@@ -40,11 +40,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         True (the default): the offsets are read to the host and checked before the launch,
         a copy of 4 (batch + 1) bytes that waits for the stream, so the host cannot queue
         work ahead of the GPU across the call. With both maximums given the wait comes just
-        before the launch, after the host has prepared it. False: they are not read (no copy, no wait;
-        FlashAttention's behaviour), both maximums must be given, and the offsets are
-        trusted: wrong ones give wrong results or memory faults, unreported. Inside a CUDA
-        graph capture they cannot be read, and are trusted as with False. NumPy inputs are
-        always checked (their read costs nothing).
+        before the launch, after the host has prepared it. False: they are not read (no
+        copy, no wait; FlashAttention's behaviour), both maximums must be given, and the
+        offsets are trusted: wrong ones give wrong results or memory faults, unreported.
+        Inside a CUDA graph capture they cannot be read, and are trusted as with False.
+        NumPy inputs are always checked (their read costs nothing).
     causal, softmax_scale, window_size, softcap, dropout_p, seed, offset, score_mod, return_lse
         As for ``flash_attention``, per sequence: ``b`` (of a score_mod, and of the dropout
         mask) is the sequence's index and ``q_idx``, ``kv_idx`` are positions inside it.

@@ -394,6 +394,29 @@ def test_gpu_bad_offsets_with_maximums_raise_before_launch(pass_, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_checked_call_with_maximums_prepares_before_it_waits(monkeypatch):
+    """README: given both maximums, a checked call fills its launch parameters before it waits
+    for the offsets' read; without them it waits first (the grids need the longest)."""
+    from cupyflash import _arrays
+    q, k, v, _, cq, ck = gpu_inputs("bf16", LENS_Q, LENS_K, 4, 2, 128, 0)
+    order = []
+    fill, wait = _launch._fill_dims, _arrays.HostCopy.wait
+
+    def filled(*args):
+        order.append("prepare")
+        return fill(*args)
+
+    def waited(self):
+        order.append("wait")
+        return wait(self)
+    monkeypatch.setattr(_launch, "_fill_dims", filled)
+    monkeypatch.setattr(_arrays.HostCopy, "wait", waited)
+    cf.flash_attention_varlen(q, k, v, cq, ck, max(LENS_Q), max(LENS_K))
+    cf.flash_attention_varlen(q, k, v, cq, ck)
+    assert order == ["prepare", "wait", "wait", "prepare"]
+
+
+@pytest.mark.gpu
 def test_gpu_host_copy_reads_each_array_once_in_order():
     from cupyflash import _arrays
     a = cp.arange(5, dtype=cp.int32)
