@@ -17,10 +17,10 @@ bench_decode.py's shapes as it does (CUDA graph replays), in microseconds. A cel
 varlen:causal(0/1):pass(fwd/bwd):check (checked: the offsets read, maximums found there; max:
 read, maximums given; unchecked: check_offsets=False) times bench_varlen.py's packed batch
 eagerly, LOOP calls back to back between two events (the median over ``--calls`` loops), in
-ms per call: what a loop of such calls costs, host work included. ``--peer`` adds
-cuDNN SDPA's rows once, in the first tree's first rep (dense cells). The table gives TFLOP/s
-(decode: us, varlen: ms) per rep for each tree; untracked trees in the repository root travel to the
-device machine with the working tree.
+ms per call: what a loop of such calls costs, host work included. ``--peer`` adds cuDNN
+SDPA's rows once, in the first tree's first rep (dense cells). The table gives TFLOP/s
+(decode: us, varlen: ms) per rep for each tree; untracked trees in the repository root
+travel to the device machine with the working tree.
 """
 import argparse
 import json
@@ -86,7 +86,6 @@ def varlen_row(cell, reps):
     """A varlen cell's row: the median over ``reps`` loops of LOOP eager calls, in ms per call."""
     import statistics
     import cupy as cp
-    import numpy as np
     import cupyflash as cf
     from cupyflash import bench
     import bench_varlen as bv   # after cupyflash, as bench_decode above
@@ -94,7 +93,7 @@ def varlen_row(cell, reps):
     causal = causal == "1"
     lens = bv.lengths(16)
     total, longest = int(lens.sum()), int(lens.max())
-    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    cu = bv.offsets(cp, lens)
     cp.random.seed(1)   # drawn on the GPU: the host's draw of 4 x 135M values takes seconds
     q, k, v, dout = (cp.random.standard_normal((total, bv.NHEADS, bv.HEADDIM), dtype=cp.float32)
                      .astype(bench.np_dtype(bv.DTYPE)) for _ in range(4))

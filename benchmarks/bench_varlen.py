@@ -48,6 +48,11 @@ def lengths(n, seed=0):
     return np.random.default_rng(seed).integers(LENGTHS[0], LENGTHS[1] + 1, n)
 
 
+def offsets(cp, lens):
+    """The batch's int32 cu_seqlens on the GPU."""
+    return cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+
+
 def real_flops(lens, causal, pass_):
     return sum(bench.attention_flops(1, NHEADS, int(s), int(s), HEADDIM, 0.5 if causal else 1.0, pass_)
                for s in lens)
@@ -59,7 +64,7 @@ def rows_for(lens, causal, reps):
     from cupyflash.bench import timing
     dtype = bench.np_dtype(DTYPE)
     total, n = int(lens.sum()), len(lens)
-    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    cu = offsets(cp, lens)
     mean = int(round(total / n))
     rows = []
 

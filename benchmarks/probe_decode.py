@@ -5,7 +5,8 @@ without the merge, and the floor of a timed graph launch.
                                                 [--layouts contiguous,page16,page256]
 
 The cases of bench_decode.py (bf16, d=128, 32 query heads over 8 KV heads, one query token,
-full caches, contiguous unless --layouts names others), timed the same way (CUDA graph replays, one per CUDA-event pair):
+full caches, contiguous unless --layouts names others), timed the same way (CUDA graph
+replays, one per CUDA-event pair):
 - ``floor``: a graph of one empty kernel, and of two (the fixed cost any call pays, and what
   a second kernel adds);
 - ``splits``: num_splits from the list below (0: the heuristic's pick), the whole call;
