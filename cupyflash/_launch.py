@@ -4,6 +4,7 @@
 field for field (aligned NumPy dtypes: the C layout rules). Every launch goes to CuPy's
 current stream; nothing here synchronizes.
 """
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -290,10 +291,25 @@ def settle():
 
 
 def zeros(shape, dtype):
-    """``cupy.zeros`` (a fill on the stream) after ``settle``."""
+    """``cupy.zeros`` (a fill on the stream) after ``settle``; a step of the launch plan being
+    recorded."""
+    return _allocate(shape, dtype, True)
+
+
+def empty(shape, dtype):
+    """``cupy.empty``, a step of the launch plan being recorded."""
+    return _allocate(shape, dtype, False)
+
+
+def _allocate(shape, dtype, zero):
     import cupy
-    settle()
-    return cupy.zeros(shape, dtype)
+    if zero:
+        settle()
+    a = (cupy.zeros if zero else cupy.empty)(shape, dtype)
+    rec = getattr(_recording, "rec", None)
+    if rec is not None:
+        rec.allocated(a, shape, dtype, zero)
+    return a
 
 
 def _launch(filename, name, grid, threads, smem, params, user_mods="", dependent=False):
@@ -307,11 +323,229 @@ def _launch(filename, name, grid, threads, smem, params, user_mods="", dependent
     settle()
     kernel = _kernel(_compile.source(filename, user_mods), name, cupy.cuda.Device().id, smem,
                      _compile.ARCH_SPECIFIC.get(filename))
-    args = params if isinstance(params, tuple) else (params,)
+    _run(kernel, grid, threads, smem, params if isinstance(params, tuple) else (params,), dependent)
+
+
+def _run(kernel, grid, threads, smem, args, dependent):
+    """Launch ``kernel`` on CuPy's current stream (the last step of ``_launch`` and of a plan's
+    replay); recorded, and with ``launch=False`` not run, while a plan is recorded."""
+    import cupy
+    settle()
+    rec = getattr(_recording, "rec", None)
+    if rec is not None:
+        rec.launched(kernel, grid, threads, smem, args, dependent)
+        if not rec.launch:
+            return
     if dependent and _driver.launch_dependent(getattr(kernel, "kernel", kernel).ptr, grid, threads, smem,
                                               cupy.cuda.get_current_stream().ptr, args):
         return
     kernel(grid, (threads,), args, shared_mem=smem)
+
+
+# Launch plans. Preparing a call's launches (the tile, the grid, the parameter records, the
+# tensor maps, the kernel) takes ~400 Python calls of host time, and for one call signature
+# (the arrays' shapes, strides, dtypes and 16-byte alignment, which arrays are the same one,
+# the options, the device, CUPYFLASH_KERNELS) it comes out the same but for the addresses.
+# The first call of a signature runs as usual while the launches and the buffers it makes are
+# recorded; the record becomes a plan: per launch the kernel, grid, block and shared memory,
+# and its parameters with each address field (every uint64 field but the dropout seed) noted
+# as an array of the call (or a buffer of the plan) plus an offset, and each tensor map as the
+# map of such an array. Later calls of the signature make the buffers and fill the addresses
+# (and the maps, cached by _tma) into copies of the parameters. CUPYFLASH_CHECK_PLANS=1 (the
+# test suite sets it) records every planned call afresh, without launching, and asserts that
+# its plan is the one replayed. CUPYFLASH_LAUNCH_PLANS=0 prepares every call afresh.
+MAX_PLANS = 256
+_PLANS = collections.OrderedDict()
+_recording = threading.local()   # .rec: the _Recorder of the plan being made on this thread
+
+
+class _Recorder:
+    """The steps of one call, for a plan: buffers made (``allocated``), kernels launched
+    (``launched``) and tensor maps made (``mapped``)."""
+
+    def __init__(self, arrays, launch):
+        self.arrays = list(arrays)    # the call's arrays, then the buffers made, in order
+        self.steps = []
+        self.maps = {}
+        self.launch = launch
+
+    def __enter__(self):
+        if getattr(_recording, "rec", None) is not None:
+            raise AssertionError("launch plans do not nest")
+        _recording.rec = self
+        return self
+
+    def __exit__(self, *exc):
+        _recording.rec = None
+
+    def allocated(self, a, shape, dtype, zero):
+        self.steps.append(("alloc", tuple(shape) if isinstance(shape, tuple) else (shape,),
+                           np.dtype(dtype), zero))
+        self.arrays.append(a)
+
+    def launched(self, kernel, grid, threads, smem, args, dependent):
+        self.steps.append(("launch", kernel, tuple(grid), threads, smem, dependent,
+                           tuple(np.array(a) for a in args)))
+
+    def mapped(self, desc, ptr, dtype, dims, strides, box):
+        self.maps[desc.tobytes()] = (ptr, dtype, dims, strides, box)
+
+    def plan(self):
+        """The _Plan of the recorded steps, or None where an address field holds an address
+        of no array of the call."""
+        spans = [(a.data.ptr, a.data.ptr + _extent(a)) if a is not None else (0, 0) for a in self.arrays]
+        steps = []
+        for step in self.steps:
+            if step[0] == "alloc":
+                steps.append(step)
+                continue
+            args = []
+            for a in step[6]:
+                arg = _ArgPlan.of(a, spans, self.maps)
+                if arg is None:
+                    return None
+                args.append(arg)
+            steps.append(step[:6] + (tuple(args),))
+        return _Plan(tuple(steps))
+
+
+def _extent(a):
+    """Bytes from ``a``'s first element to just past its last one (non-negative strides)."""
+    return sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + a.itemsize if a.size else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _address_words(dtype):
+    """(64-bit words that hold addresses, first words of tensor maps) of a parameter's dtype:
+    its uint64 fields but the dropout seed, and its TMA_DESC fields."""
+    words, maps = [], []
+
+    def walk(dt, offset, name):
+        if dt == _tma.TMA_DESC:
+            maps.append(offset // 8)
+        elif dt.fields is not None:
+            for field, (sub, at) in dt.fields.items():
+                walk(sub, offset + at, field)
+        elif dt.subdtype is not None:
+            base, shape = dt.subdtype
+            for i in range(int(np.prod(shape))):
+                walk(base, offset + i * base.itemsize, name)
+        elif dt == np.uint64 and name != "seed":
+            words.append(offset // 8)
+    walk(np.dtype(dtype), 0, "")
+    return tuple(words), tuple(maps)
+
+
+class _ArgPlan(NamedTuple):
+    """One kernel parameter of a plan: its bytes with the addresses left out (``template``,
+    uint64 words), where they go (``words``), whose they are (``sources``: indices into the
+    call's arrays and the plan's buffers) and at which offsets (``deltas``), and its tensor
+    maps as (first word, source, dtype, dims, strides, box)."""
+    dtype: np.dtype
+    template: np.ndarray
+    words: np.ndarray
+    sources: np.ndarray
+    deltas: np.ndarray
+    maps: tuple
+
+    @classmethod
+    def of(cls, value, spans, made_maps):
+        words, map_words = _address_words(value.dtype)
+        buf = np.zeros(_config.cdiv(value.dtype.itemsize, 8), np.uint64)
+        buf.view(np.uint8)[:value.dtype.itemsize] = np.frombuffer(value.tobytes(), np.uint8)
+        slots, maps = [], []
+        for w in words:
+            if buf[w]:
+                source = _source(int(buf[w]), spans)
+                if source is None:
+                    return None
+                slots.append((w, source, int(buf[w]) - spans[source][0]))
+                buf[w] = 0
+        for w in map_words:
+            desc = buf[w:w + _MAP // 8].tobytes()
+            if not any(desc):
+                continue
+            ptr, *rest = made_maps.get(desc, (None,))
+            source = None if ptr is None else _source(ptr, spans)
+            if source is None or spans[source][0] != ptr:
+                return None
+            maps.append((w, source, *rest))
+            buf[w:w + _MAP // 8] = 0
+        w, src, delta = (np.array(c, dtype) for c, dtype in zip(zip(*slots) if slots else ((), (), ()),
+                                                                 (np.intp, np.intp, np.uint64)))
+        return cls(value.dtype, buf, w, src, delta, tuple(maps))
+
+    def key(self):
+        return (self.dtype, self.template.tobytes(), self.words.tobytes(), self.sources.tobytes(),
+                self.deltas.tobytes(), self.maps)
+
+    def fill(self, ptrs):
+        """The parameter for arrays at ``ptrs`` (uint64, one per source)."""
+        buf = self.template.copy()
+        buf[self.words] = ptrs[self.sources] + self.deltas
+        for w, source, dtype, dims, strides, box in self.maps:
+            buf[w:w + _MAP // 8] = _tma.tiled(int(ptrs[source]), dtype, dims, strides, box)["words"]
+        return buf.view(np.uint8)[:self.dtype.itemsize].view(self.dtype)[0]
+
+
+def _source(ptr, spans):
+    """The index of the array an address belongs to: the first that starts there, else the
+    only one that holds it (None if none does, or several)."""
+    for i, (start, _) in enumerate(spans):
+        if start == ptr:
+            return i
+    holders = [i for i, (start, end) in enumerate(spans) if start < ptr < end]
+    return holders[0] if len(holders) == 1 else None
+
+
+class _Plan(NamedTuple):
+    steps: tuple
+
+    def key(self):
+        return tuple(s if s[0] == "alloc" else s[:6] + (tuple(a.key() for a in s[6]),) for s in self.steps)
+
+    def replay(self, arrays):
+        ptrs = [a.data.ptr if a is not None else 0 for a in arrays]
+        made = []   # the buffers live until the launches that use them are queued
+        for step in self.steps:
+            if step[0] == "alloc":
+                a = _allocate(*step[1:])
+                made.append(a)
+                ptrs.append(a.data.ptr)
+                continue
+            _, kernel, grid, threads, smem, dependent, args = step
+            at = np.array(ptrs, np.uint64)
+            _run(kernel, grid, threads, smem, tuple(a.fill(at) for a in args), dependent)
+
+
+def _planned(run, arrays, options, plannable=True):
+    """``run()`` (a launch function's body over the CuPy ``arrays``, None where absent), or the
+    plan of its signature (``options``: everything else it depends on, hashable)."""
+    if not plannable or os.environ.get("CUPYFLASH_LAUNCH_PLANS", "1") == "0":
+        return run()
+    import cupy
+    ptrs = [a.data.ptr if a is not None else None for a in arrays]
+    key = (cupy.cuda.Device().id, os.environ.get("CUPYFLASH_KERNELS", ""), options,
+           tuple(None if a is None else (a.shape, a.strides, a.dtype, a.data.ptr % 16, ptrs.index(a.data.ptr))
+                 for a in arrays))
+    plan = _PLANS.get(key)
+    if plan is None and key not in _PLANS:
+        with _Recorder(arrays, launch=True) as rec:
+            run()
+        _PLANS[key] = rec.plan()
+        if len(_PLANS) > MAX_PLANS:
+            _PLANS.popitem(last=False)
+        return
+    if plan is None:
+        return run()
+    _PLANS.move_to_end(key)
+    if os.environ.get("CUPYFLASH_CHECK_PLANS") == "1":
+        with _Recorder(arrays, launch=False) as rec:
+            run()
+        fresh = rec.plan()
+        if fresh is None or fresh.key() != plan.key():
+            raise AssertionError("a launch plan differs from a fresh preparation of its call")
+    plan.replay(arrays)
 
 
 def _fill_user(rec, arrays, grads=None):
@@ -426,9 +660,15 @@ def check_supported(spec, block_mask):
         raise NotImplementedError("dropout_p > 0 with softcap, alibi_slopes or a score_mod has "
                                   "no GPU kernels yet (NumPy arrays run it)")
     import cupy
-    dev = cupy.cuda.Device()
+    _supported_on(cupy.cuda.Device().id, spec, _tile_limits(block_mask))
+
+
+@functools.lru_cache(maxsize=1024)   # what passes is kept; an error is raised again each time
+def _supported_on(device_id, spec, limits):
+    import cupy
+    dev = cupy.cuda.Device(device_id)
     hd = spec.headdim
-    limit = _smem_limit()
+    limit = _attribute_of(device_id, "MaxSharedMemoryPerBlockOptin")
     if spec.dtype in TENSOR_CORE:
         cc = int(dev.compute_capability)
         if cc < 80:
@@ -436,7 +676,7 @@ def check_supported(spec, block_mask):
                             f"device {dev.id} is {cc // 10}.{cc % 10} (use float32)")
         try:
             for pass_ in ("fwd", "bwd", "dq"):
-                _config.tile(pass_, hd, limit, *_tile_limits(block_mask), extras=spec.extras)
+                _config.tile(pass_, hd, limit, *limits, extras=spec.extras)
         except RuntimeError as e:
             raise ValueError(f"headdim bucket {hd} with {spec.dtype}: {e}") from None
     else:
@@ -592,8 +832,12 @@ def _row_map(x, dtype, rows):
     """The tensor map of a (batch, seqlen, nheads, headdim) array for the Hopper kernels: one
     copy brings 64 columns of ``rows`` rows of one head."""
     b, _, h, d = x.shape
-    return _tma.tiled(x.data.ptr, dtype, (d, h, x.shape[1], b),
-                      (x.strides[2], x.strides[1], x.strides[0]), (64, 1, rows, 1))
+    shape = (dtype, (d, h, x.shape[1], b), (x.strides[2], x.strides[1], x.strides[0]), (64, 1, rows, 1))
+    desc = _tma.tiled(x.data.ptr, *shape)
+    rec = getattr(_recording, "rec", None)
+    if rec is not None:
+        rec.mapped(desc, x.data.ptr, *shape)
+    return desc
 
 
 # The Hopper backward's static shared memory (its barriers and two stages' lse and D), at most:
@@ -667,7 +911,23 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
     """Launch the forward pass of the call ``spec`` (a CallSpec). ``out`` and ``lse`` are
     preallocated outputs; ``dropout`` the (seed, offset) of a spec with dropout;
     ``user_arrays`` those of its user mods (``_fill_user``); ``packed``: the Packed batch of a
-    spec with varlen, whose q, k, v and out come as (1, total, nheads, headdim)."""
+    spec with varlen, whose q, k, v and out come as (1, total, nheads, headdim). Through the
+    plan of its signature (``_planned``), except with a block mask (whose lists are its own)."""
+    arrays = (q, k, v, out, lse, alibi_slopes, *_packed_arrays(packed), *user_arrays)
+    _planned(lambda: _forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, dropout, user_arrays,
+                              packed),
+             arrays, ("fwd", spec, scale, dropout, _packed_maxima(packed)), block_mask is None)
+
+
+def _packed_arrays(packed):
+    return (packed.cu_seqlens_q, packed.cu_seqlens_k) if packed is not None else (None, None)
+
+
+def _packed_maxima(packed):
+    return (packed.max_seqlen_q, packed.max_seqlen_k) if packed is not None else None
+
+
+def _forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, dropout, user_arrays, packed):
     p = np.zeros((), FWD_PARAMS)
     _fill_user(p["user"], user_arrays)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
@@ -709,7 +969,18 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     are preallocated; ``dq_accum`` is a zeroed fp32 buffer of ``dq_accum_shape(q.shape,
     packed)``, or None (the deterministic generic pass, the plain path). ``deterministic``
     with a ``dq_accum``: the Hopper pass, adding dQ in key order (``bwd_family``).
-    ``packed`` as for ``forward``."""
+    ``packed`` as for ``forward``; through a plan as ``forward``."""
+    grads = sorted((user_grads or {}).items())
+    arrays = (dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, alibi_slopes, *_packed_arrays(packed),
+              *user_arrays, *(g for _, g in grads))
+    _planned(lambda: _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask,
+                               alibi_slopes, dropout, user_arrays, user_grads, deterministic, packed),
+             arrays, ("bwd", spec, scale, dropout, _packed_maxima(packed), deterministic,
+                      tuple(slot for slot, _ in grads)), block_mask is None)
+
+
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask, alibi_slopes,
+              dropout, user_arrays, user_grads, deterministic, packed):
     p = np.zeros((), BWD_PARAMS)
     _fill_user(p["user"], user_arrays, user_grads)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout),
@@ -731,8 +1002,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
     overlap = dq_accum is not None and hopper and convert_overlaps(spec, block_mask)
     done = np.uint64(0)   # the counts of finished pass blocks (zeroed by the preprocess)
     if overlap:
-        import cupy
-        counts = cupy.empty(b * hk, np.int32)
+        counts = empty(b * hk, np.int32)
         done = np.uint64(counts.data.ptr)
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
             (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done))
@@ -861,7 +1131,9 @@ def kvcache_append(k_cache, v_cache, k, v, layout):
 
 def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num_splits=0):
     """cuda/decode.cu's flash_decode_kernel over the cache ``layout`` (a Cache), with split-KV
-    and flash_decode_merge_kernel when more than one split runs."""
+    and flash_decode_merge_kernel when more than one split runs. (Not through a plan: its
+    preparation is short, measured no faster planned, and the longest entry, which sizes its
+    grid, grows at every step of a decoding loop.)"""
     import cupy
     p = np.zeros((), DECODE_PARAMS)
     base = p["base"]
@@ -879,8 +1151,8 @@ def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num
     splits = max(1, _config.cdiv(layout.max_keys, split_keys))
     p["splits"], p["split_keys"], p["row_chunks"] = splits, split_keys, chunks
     if splits > 1:
-        o_part = cupy.empty((splits, b, h, sq, hd), cupy.float32)
-        lse_part = cupy.empty((splits, b, h, sq), cupy.float32)
+        o_part = empty((splits, b, h, sq, hd), cupy.float32)
+        lse_part = empty((splits, b, h, sq), cupy.float32)
         p["o_part"], p["lse_part"] = o_part.data.ptr, lse_part.data.ptr
     elem, variant = ELEM[spec.dtype], spec.variant()
     _launch("decode.cu", template_name("flash_decode_kernel", elem, hd, variant), (splits, hk * chunks, b),

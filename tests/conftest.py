@@ -7,6 +7,10 @@ import pytest
 
 from cupyflash._gpu import gpu_or_reason
 
+# Every launch plan replayed in the GPU tests is checked against a fresh preparation of its call
+# (cupyflash/_launch.py, _planned).
+os.environ.setdefault("CUPYFLASH_CHECK_PLANS", "1")
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_skip_reason():
