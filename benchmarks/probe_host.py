@@ -7,11 +7,14 @@ caller's thread spends, and, for a call on an idle GPU, time the GPU waits).
 bf16, d=128, shapes small enough that the GPU never holds the host back: a dense forward
 and backward (causal, 2 x 1024 x 16 heads), a packed forward (8 sequences of 64-1024 tokens)
 checked without maximums, checked with them and unchecked, and a decode step (batch 1, 32
-query heads over 8 KV heads, 8K keys, contiguous and paged by 256). Each call runs after a
+query heads over 8 KV heads, 8K keys, contiguous and paged by 256, the paged one also with
+check_lengths=False). Each call runs after a
 synchronize, with launch plans (cupyflash/_launch.py) and without (CUPYFLASH_LAUNCH_PLANS=0),
 in turns of 20 calls; the median and quartiles over ``--calls`` calls of each go to
 DIR/probe_host.json, and the functions that take the most of ``--profile`` planned calls'
-time (cProfile, own time) to DIR/probe_host_profile.txt.
+time (cProfile, own time) to DIR/probe_host_profile.txt. ``--breakdown`` also times the
+stages of each planned call (the functions of BREAKDOWN, each call's time inside them,
+inclusive) into DIR/probe_host.json's ``breakdown``.
 """
 import os
 import argparse
@@ -59,7 +62,48 @@ def cases(cp, cf):
         "decode_contiguous": lambda: cf.flash_attention_with_kvcache(qd, kc, vc, cache_seqlens=seqlens),
         "decode_page256": lambda: cf.flash_attention_with_kvcache(qd, kp, vp, cache_seqlens=seqlens,
                                                                   block_table=table),
+        "decode_page256_unchecked": lambda: cf.flash_attention_with_kvcache(
+            qd, kp, vp, cache_seqlens=seqlens, block_table=table, check_lengths=False),
     }
+
+
+# The stages timed by --breakdown: (module, function) of cupyflash.
+BREAKDOWN = [("api", "_as_backend"), ("_validate", "check_forward"), ("api", "_call_spec"),
+             ("api", "_forward_gpu"), ("api", "_backward_gpu"), ("_launch", "check_supported"),
+             ("_launch", "_planned"), ("_launch", "_run"), ("_launch", "dq_buffer"),
+             ("_arrays", "to_caller"), ("_arrays", "HostCopy.wait"), ("varlen", "_PackedCall.of"),
+             ("varlen", "_PackedCall.packed"),
+             ("kvcache", "_gpu"), ("_validate", "check_kvcache"), ("kvcache", "_Cache.host_lengths"),
+             ("kvcache", "_Cache.layout"), ("_launch", "decode"), ("_launch", "kvcache_append")]
+
+
+def timed_stages(spent):
+    """Wrap the BREAKDOWN functions (in every cupyflash module that holds them) so that each
+    adds its inclusive time to ``spent[name]``; returns a function that undoes it."""
+    import importlib
+    import cupyflash
+    undo = []
+    modules = [importlib.import_module(f"cupyflash.{m}") for m in
+               ("api", "_validate", "_launch", "_arrays", "varlen", "kvcache")]
+    for module_name, name in BREAKDOWN:
+        owner = importlib.import_module(f"cupyflash.{module_name}")
+        *path, attr = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, attr)
+
+        def wrapper(*a, __f=original, __n=f"{module_name}.{name}", **kw):
+            start = time.perf_counter()
+            try:
+                return __f(*a, **kw)
+            finally:
+                spent[__n] = spent.get(__n, 0.0) + time.perf_counter() - start
+        holders = [owner] + ([m for m in modules if getattr(m, attr, None) is original] if not path else [])
+        for holder in holders:
+            setattr(holder, attr, wrapper)
+            undo.append((holder, attr, original))
+    assert cupyflash
+    return lambda: [setattr(h, a, o) for h, a, o in reversed(undo)]
 
 
 def host_times(cp, call, calls):
@@ -94,6 +138,7 @@ def main():
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--profile", type=int, default=100)
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args()
     cp, why = gpu_or_reason()
     if why:
@@ -118,6 +163,16 @@ def main():
                          "q1_us": float(np.percentile(t, 25)), "q3_us": float(np.percentile(t, 75))})
             print(f"{name:22s} {label:8s} {rows[-1]['median_us']:8.1f} us  ({rows[-1]['q1_us']:.1f} - "
                   f"{rows[-1]['q3_us']:.1f})", flush=True)
+        if args.breakdown:
+            spent = {}
+            undo = timed_stages(spent)
+            whole = host_times(cp, call, 100).sum()
+            undo()
+            rows.append({"case": name, "launch": "planned", "breakdown_us": {
+                k: round(v / 100 * 1e6, 1) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])},
+                "total_us": round(whole / 100 * 1e6, 1)})
+            print(f"  {name} stages (us per call, inclusive):", rows[-1]["total_us"], rows[-1]["breakdown_us"],
+                  flush=True)
         if args.profile:
             profiles.append(f"=== {name}\n" + profile(cp, call, args.profile))
     doc = bench.report("probe_host", rows)

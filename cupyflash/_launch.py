@@ -353,7 +353,8 @@ def _run(kernel, grid, threads, smem, args, dependent):
 # map of such an array. Later calls of the signature make the buffers and fill the addresses
 # (and the maps, cached by _tma) into copies of the parameters. CUPYFLASH_CHECK_PLANS=1 (the
 # test suite sets it) records every planned call afresh, without launching, and asserts that
-# its plan is the one replayed. CUPYFLASH_LAUNCH_PLANS=0 prepares every call afresh.
+# its plan is the one replayed. CUPYFLASH_LAUNCH_PLANS=0 prepares (and checks, api._signature)
+# every call afresh.
 MAX_PLANS = 256
 _PLANS = collections.OrderedDict()
 _recording = threading.local()   # .rec: the _Recorder of the plan being made on this thread
@@ -447,6 +448,7 @@ class _ArgPlan(NamedTuple):
     sources: np.ndarray
     deltas: np.ndarray
     maps: tuple
+    encoded: dict   # (first word, address) -> the map's words: the maps of the last addresses seen
 
     @classmethod
     def of(cls, value, spans, made_maps):
@@ -473,7 +475,7 @@ class _ArgPlan(NamedTuple):
             buf[w:w + _MAP // 8] = 0
         w, src, delta = (np.array(c, dtype) for c, dtype in zip(zip(*slots) if slots else ((), (), ()),
                                                                  (np.intp, np.intp, np.uint64)))
-        return cls(value.dtype, buf, w, src, delta, tuple(maps))
+        return cls(value.dtype, buf, w, src, delta, tuple(maps), {})
 
     def key(self):
         return (self.dtype, self.template.tobytes(), self.words.tobytes(), self.sources.tobytes(),
@@ -484,7 +486,13 @@ class _ArgPlan(NamedTuple):
         buf = self.template.copy()
         buf[self.words] = ptrs[self.sources] + self.deltas
         for w, source, dtype, dims, strides, box in self.maps:
-            buf[w:w + _MAP // 8] = _tma.tiled(int(ptrs[source]), dtype, dims, strides, box)["words"]
+            words = self.encoded.get((w, ptrs[source]))
+            if words is None:
+                if len(self.encoded) >= 64:
+                    self.encoded.clear()
+                words = self.encoded[w, ptrs[source]] = _tma.tiled(int(ptrs[source]), dtype, dims, strides,
+                                                                   box)["words"]
+            buf[w:w + _MAP // 8] = words
         return buf.view(np.uint8)[:self.dtype.itemsize].view(self.dtype)[0]
 
 
@@ -504,8 +512,8 @@ class _Plan(NamedTuple):
     def key(self):
         return tuple(s if s[0] == "alloc" else s[:6] + (tuple(a.key() for a in s[6]),) for s in self.steps)
 
-    def replay(self, arrays):
-        ptrs = [a.data.ptr if a is not None else 0 for a in arrays]
+    def replay(self, ptrs):
+        """Run the plan for arrays at ``ptrs`` (0 where absent)."""
         made = []   # the buffers live until the launches that use them are queued
         for step in self.steps:
             if step[0] == "alloc":
@@ -524,10 +532,10 @@ def _planned(run, arrays, options, plannable=True):
     if not plannable or os.environ.get("CUPYFLASH_LAUNCH_PLANS", "1") == "0":
         return run()
     import cupy
-    ptrs = [a.data.ptr if a is not None else None for a in arrays]
+    ptrs = [a.data.ptr if a is not None else 0 for a in arrays]
     key = (cupy.cuda.Device().id, os.environ.get("CUPYFLASH_KERNELS", ""), options,
-           tuple(None if a is None else (a.shape, a.strides, a.dtype, a.data.ptr % 16, ptrs.index(a.data.ptr))
-                 for a in arrays))
+           tuple(None if a is None else (a.shape, a.strides, a.dtype, p % 16, ptrs.index(p))
+                 for a, p in zip(arrays, ptrs)))
     plan = _PLANS.get(key)
     if plan is None and key not in _PLANS:
         with _Recorder(arrays, launch=True) as rec:
@@ -545,7 +553,7 @@ def _planned(run, arrays, options, plannable=True):
         fresh = rec.plan()
         if fresh is None or fresh.key() != plan.key():
             raise AssertionError("a launch plan differs from a fresh preparation of its call")
-    plan.replay(arrays)
+    plan.replay(ptrs)
 
 
 def _fill_user(rec, arrays, grads=None):

@@ -1,11 +1,12 @@
 """Attention from a KV cache, for decoding and chunked prefill (FlashAttention's
 ``flash_attn_with_kvcache``)."""
 import dataclasses
+import sys
 
 import numpy as np
 
 from . import _arrays, _config, _spec, _validate
-from .api import _as_backend, _call_spec
+from .api import _CHECKED, _as_backend, _call_spec, _remember, _signature
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens,
@@ -56,6 +57,20 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     -------
     out like q, or ``(out, lse)`` with lse (batch, nheads, seqlen_q).
     """
+    key = _signature((q, k_cache, v_cache, k, v, cache_seqlens if hasattr(cache_seqlens, "shape") else None,
+                      block_table, alibi_slopes),
+                     ("kvcache", None if hasattr(cache_seqlens, "shape") else cache_seqlens, causal,
+                      window_size, softcap, softmax_scale, num_splits, return_lse, check_lengths))
+    checked = _CHECKED.get(key)
+    if checked is not None:
+        spec, scale, causal, window_size, softcap, num_splits, return_lse, check_lengths = checked
+        seqlens = cache_seqlens if hasattr(cache_seqlens, "shape") else None
+        cache = _Cache(q.shape[0], k_cache, block_table, seqlens, None if seqlens is not None else cache_seqlens,
+                       0 if k is None else k.shape[1])
+        with _arrays.launch_context(_arrays.Caller("cupy", q.data.device_id, q)):
+            out, lse = _gpu(sys.modules["cupy"], cache, q, k_cache, v_cache, k, v, spec, scale, alibi_slopes,
+                            num_splits, causal, window_size, softcap, check_lengths)
+        return (out, lse) if return_lse else out
     causal = _validate.check_flag("causal", causal)
     return_lse = _validate.check_flag("return_lse", return_lse)
     check_lengths = _validate.check_flag("check_lengths", check_lengths)
@@ -84,6 +99,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     spec, scale = _call_spec(q, k_cache, causal, softmax_scale, window_size, softcap, alibi_slopes,
                              0.0, None, None, "")
     spec = dataclasses.replace(spec, seq=_spec.SEQ_PAGED if cache.paged else _spec.SEQ_CACHE)
+    if xp is not np:
+        _remember(key, (spec, scale, causal, window_size, softcap, num_splits, return_lse, check_lengths))
     with _arrays.launch_context(kind):
         if xp is np:
             lens = cache.host_lengths()

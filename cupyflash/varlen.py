@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from . import _arrays, _config, _spec, _validate, mods
-from .api import _as_backend, _backward_gpu, _call_spec, _forward_gpu, _user_mods
+from .api import _CHECKED, _as_backend, _backward_gpu, _call_spec, _forward_gpu, _remember, _signature, _user_mods
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
@@ -58,10 +58,16 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         for float64 inputs).
     """
     _refuse_traced(q)
-    call = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                          seed, offset, score_mod, check_offsets, (), ())
-    return_lse = _validate.check_flag("return_lse", return_lse)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+            window_size, softcap, alibi_slopes, dropout_p, seed, offset, score_mod, check_offsets)
+    key = _PackedCall.signature(args, (), return_lse)
+    call = _PackedCall.again(key, args, ())
+    if call is None:
+        call = _PackedCall.of(*args, (), ())
+        return_lse = _validate.check_flag("return_lse", return_lse)
+        _remember(key, (call.options(), return_lse))
+    else:
+        call, return_lse = call
     q, k, v = call.arrays
     with _arrays.launch_context(call.kind), call.packed() as packed:
         if call.xp is np:
@@ -87,20 +93,27 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     result, as ``flash_attention_backward`` does).
     """
     _refuse_traced(q)
-    deterministic = _validate.check_flag("deterministic", deterministic)
-    call = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                          seed, offset, score_mod, check_offsets, (dout, out, lse), ("dout", "out", "lse"))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+            window_size, softcap, alibi_slopes, dropout_p, seed, offset, score_mod, check_offsets)
+    key = _PackedCall.signature(args, (dout, out, lse), deterministic)
+    call = _PackedCall.again(key, args, (dout, out, lse))
+    if call is None:
+        deterministic = _validate.check_flag("deterministic", deterministic)
+        call = _PackedCall.of(*args, (dout, out, lse), ("dout", "out", "lse"))
+        q = call.arrays[0]
+        for name, a in (("dout", call.extra[0]), ("out", call.extra[1])):
+            _validate.check_like(name, a, "q", q)
+        _validate.check_packed_lse(call.extra[2], q)
+        gradient = None if call.score_mod is None else (
+            call.score_mod.grad if call.xp is not np else call.score_mod.python_grad)
+        if call.score_mod is not None and gradient is None:
+            raise ValueError("score_mod has no gradient rule for these inputs: the backward needs "
+                             "d loss / d score from dscore")
+        _remember(key, (call.options(), deterministic))
+    else:
+        call, deterministic = call
     dout, out, lse = call.extra
     q, k, v = call.arrays
-    for name, a in (("dout", dout), ("out", out)):
-        _validate.check_like(name, a, "q", q)
-    _validate.check_packed_lse(lse, q)
-    gradient = None if call.score_mod is None else (
-        call.score_mod.grad if call.xp is not np else call.score_mod.python_grad)
-    if call.score_mod is not None and gradient is None:
-        raise ValueError("score_mod has no gradient rule for these inputs: the backward needs "
-                         "d loss / d score from dscore")
     with _arrays.launch_context(call.kind), call.packed() as packed:
         if call.xp is np:
             grads = _numpy_backward(call, packed, dout, out, lse)
@@ -163,6 +176,36 @@ class _PackedCall:
         cu = tuple(xp.ascontiguousarray(c) for c in (cu_q, cu_k))
         return cls((q, k, v), tuple(arrays[5:]), cu, maxima, check, spec, scale, alibi_slopes,
                    score_mod, user, seed, offset, kind, xp)
+
+    @staticmethod
+    def signature(args, extra, flag):
+        """The key (api._signature) of a call with ``args`` (``of``'s, up to ``check_offsets``),
+        the backward's ``extra`` arrays and the last flag (return_lse, deterministic), or None
+        (a score_mod, arrays not CuPy's)."""
+        (q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size, softcap, alibi_slopes,
+         dropout_p, seed, offset, score_mod, check_offsets) = args
+        if score_mod is not None:
+            return None
+        return _signature((q, k, v, cu_q, cu_k, alibi_slopes, *extra),
+                          ("varlen", max_q, max_k, causal, softmax_scale, window_size, softcap, dropout_p,
+                           seed, offset, check_offsets, flag))
+
+    def options(self):
+        """The call without its arrays (what ``again`` keeps of it)."""
+        return dataclasses.replace(self, arrays=(), extra=(), cu=(), alibi_slopes=None, kind=None)
+
+    @classmethod
+    def again(cls, key, args, extra):
+        """(the call, its flag) for a signature whose checks passed before (``_remember``), with
+        this call's arrays, else None."""
+        checked = _CHECKED.get(key)
+        if checked is None:
+            return None
+        call, flag = checked
+        q, k, v, cu_q, cu_k = args[:5]
+        cu = tuple(call.xp.ascontiguousarray(c) for c in (cu_q, cu_k))
+        return dataclasses.replace(call, arrays=(q, k, v), extra=tuple(extra), cu=cu, alibi_slopes=args[11],
+                                   kind=_arrays.Caller("cupy", q.data.device_id, q)), flag
 
     @contextlib.contextmanager
     def packed(self):

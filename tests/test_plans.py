@@ -1,7 +1,8 @@
 """Launch plans (cupyflash/_launch.py ``_planned``): a call's launches recorded once per
-signature and replayed with the addresses of later calls' arrays. The CPU tests take the
-parameters apart and put them together again with stand-in arrays; the GPU tests compare a
-replayed call with a freshly prepared one (and every GPU test runs with
+signature and replayed with the addresses of later calls' arrays; and the checked signatures
+(cupyflash/api.py ``_signature``), with which a repeated call skips its checks. The CPU tests
+take the parameters apart and put them together again with stand-in arrays; the GPU tests
+compare a replayed call with a freshly prepared one (and every GPU test runs with
 CUPYFLASH_CHECK_PLANS=1, tests/conftest.py, which checks each replayed plan against a fresh
 preparation of its call)."""
 import os
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cupyflash import _launch
+from cupyflash import _launch, api
 
 
 def fake(ptr, shape, strides, itemsize=2):
@@ -67,6 +68,36 @@ def test_an_address_inside_two_arrays_is_ambiguous():
     assert _launch._source(0x2000, spans) == 1   # the one that starts there
     assert _launch._source(0x1800, spans) == 0
     assert _launch._source(0x2800, spans) is None
+
+
+def test_a_signature_tells_option_types_apart():
+    """A value that passed the checks must not let an equal one of another type skip them
+    (``causal=1`` is refused where ``causal=True`` is not)."""
+    assert api._typed(True) != api._typed(1)
+    assert api._typed((-1, -1)) != api._typed((-1.0, -1))
+    assert api._typed((-1, -1)) == api._typed((-1, -1))
+    assert api._signature((np.zeros(3),), ("fwd",)) is None   # NumPy arrays are always checked
+    assert api._signature((), ("fwd", [-1, -1])) is None      # a list is unhashable
+
+
+@pytest.mark.gpu
+def test_gpu_a_checked_signature_still_refuses_what_it_did_not_check():
+    import cupy as cp
+    import ml_dtypes
+
+    import cupyflash as cf
+    q = cp.zeros((1, 64, 2, 64), ml_dtypes.bfloat16)
+    cf.flash_attention(q, q, q, causal=True)
+    cf.flash_attention(q, q, q, causal=True)   # the checked signature
+    with pytest.raises(TypeError, match="causal"):
+        cf.flash_attention(q, q, q, causal=1)
+    with pytest.raises(ValueError, match="seqlen"):
+        cf.flash_attention(q, q[:, :32], q, causal=True)
+    cu = cp.asarray(np.array([0, 64], np.int32))
+    cf.flash_attention_varlen(q[0], q[0], q[0], cu, cu, 64, 64)
+    bad = cp.asarray(np.array([0, 65], np.int32))   # the offsets are read again at every call
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        cf.flash_attention_varlen(q[0], q[0], q[0], bad, cu, 64, 64)
 
 
 @pytest.mark.gpu
