@@ -71,8 +71,9 @@ def cases(cp, cf):
 BREAKDOWN = [("api", "_as_backend"), ("_validate", "check_forward"), ("api", "_call_spec"),
              ("api", "_forward_gpu"), ("api", "_backward_gpu"), ("_launch", "check_supported"),
              ("_launch", "_planned"), ("_launch", "_run"), ("_launch", "dq_buffer"),
-             ("_arrays", "to_caller"), ("_arrays", "HostCopy.wait"), ("varlen", "_PackedCall.of"),
-             ("varlen", "_PackedCall.packed"),
+             ("_arrays", "to_caller"), ("_arrays", "HostCopy.__init__"), ("_arrays", "HostCopy.wait"),
+             ("varlen", "_PackedCall.of"), ("varlen", "_PackedCall.signature"), ("varlen", "_PackedCall.again"),
+             ("varlen", "_PackedCall._longest"), ("_validate", "check_cu_seqlens"),
              ("kvcache", "_gpu"), ("_validate", "check_kvcache"), ("kvcache", "_Cache.host_lengths"),
              ("kvcache", "_Cache.layout"), ("_launch", "decode"), ("_launch", "kvcache_append")]
 
