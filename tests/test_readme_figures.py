@@ -1,6 +1,7 @@
-"""The README's Hopper table (ours / cuDNN SDPA TFLOP/s, bf16) and its packed-batch table are
-the benchmark JSONs they name: every figure (for the Hopper table also the SDPA flash line
-under it and the fp16 remark) read from that file. No GPU: the JSONs are committed runs."""
+"""The README's Hopper table (ours / cuDNN SDPA TFLOP/s, bf16), its packed-batch table and its
+host-time figures are the benchmark JSONs they name: every figure (for the Hopper table also
+the SDPA flash line under it and the fp16 remark) read from that file. No GPU: the JSONs are
+committed runs."""
 import json
 import re
 from pathlib import Path
@@ -88,3 +89,22 @@ def test_readme_eager_decode_figures_are_the_cited_run():
     assert (round(min(eager), 2), round(max(eager), 2)) == (eager_lo, eager_hi)
     assert (int(min(replay)), round(max(replay))) == (replay_lo, replay_hi)
     assert all(abs(r["eager_unchecked_ms"] / r["ms"] - 1) < 0.05 for r in rows)
+
+
+def test_readme_host_time_figures_are_the_cited_runs():
+    """The repeated calls' host times (afresh -> repeated, median us) are probe_host's rows of
+    the JSONs the paragraph names."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Repeated calls cost less host time.")
+    paragraph = text[start:text.index("\n\n", start)]
+    paths = re.findall(r"`(benchmarks/results/[^`]+\.json)`", paragraph)
+    assert len(paths) == 2
+    cases = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_fwd_unchecked", "decode_page256",
+             "decode_page256_unchecked"]
+    pairs = [(int(a), int(b)) for a, b in re.findall(r"(\d+) -> (\d+)", paragraph)]
+    assert len(pairs) == len(cases) + 1
+    for path, wanted in ((paths[0], cases), (paths[1], ["dense_fwd"])):
+        rows = json.loads((ROOT / path).read_text())["rows"]
+        median = {(r["case"], r["launch"]): r["median_us"] for r in rows if "median_us" in r}
+        for case in wanted:
+            assert pairs.pop(0) == (round(median[case, "fresh"]), round(median[case, "planned"])), case
