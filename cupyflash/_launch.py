@@ -351,7 +351,7 @@ def _run(kernel, grid, threads, smem, args, dependent):
 # and its parameters with each address field (every uint64 field but the dropout seed) noted
 # as an array of the call (or a buffer of the plan) plus an offset, and each tensor map as the
 # map of such an array. Later calls of the signature make the buffers and fill the addresses
-# (and the maps, cached by _tma) into copies of the parameters. CUPYFLASH_CHECK_PLANS=1 (the
+# (and the maps, kept per plan by address) into copies of the parameters. CUPYFLASH_CHECK_PLANS=1 (the
 # test suite sets it) records every planned call afresh, without launching, and asserts that
 # its plan is the one replayed. CUPYFLASH_LAUNCH_PLANS=0 prepares (and checks, api._signature)
 # every call afresh.
@@ -514,6 +514,7 @@ class _Plan(NamedTuple):
 
     def replay(self, ptrs):
         """Run the plan for arrays at ``ptrs`` (0 where absent)."""
+        ptrs = list(ptrs)   # then the buffers', as they are made
         made = []   # the buffers live until the launches that use them are queued
         for step in self.steps:
             if step[0] == "alloc":

@@ -61,7 +61,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
             window_size, softcap, alibi_slopes, dropout_p, seed, offset, score_mod, check_offsets)
     key = _PackedCall.signature(args, (), return_lse)
-    call = _PackedCall.again(key, args, ())
+    call = _PackedCall.again(key, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, ())
     if call is None:
         call = _PackedCall.of(*args, (), ())
         return_lse = _validate.check_flag("return_lse", return_lse)
@@ -96,7 +96,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
             window_size, softcap, alibi_slopes, dropout_p, seed, offset, score_mod, check_offsets)
     key = _PackedCall.signature(args, (dout, out, lse), deterministic)
-    call = _PackedCall.again(key, args, (dout, out, lse))
+    call = _PackedCall.again(key, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, (dout, out, lse))
     if call is None:
         deterministic = _validate.check_flag("deterministic", deterministic)
         call = _PackedCall.of(*args, (dout, out, lse), ("dout", "out", "lse"))
@@ -194,17 +194,16 @@ class _PackedCall:
         """The call without its arrays (what ``again`` keeps of it)."""
         return dataclasses.replace(self, arrays=(), extra=(), cu=(), alibi_slopes=None, kind=None)
 
-    @classmethod
-    def again(cls, key, args, extra):
+    @staticmethod
+    def again(key, q, k, v, cu_q, cu_k, alibi_slopes, extra):
         """(the call, its flag) for a signature whose checks passed before (``_remember``), with
         this call's arrays, else None."""
         checked = _CHECKED.get(key)
         if checked is None:
             return None
         call, flag = checked
-        q, k, v, cu_q, cu_k = args[:5]
         cu = tuple(call.xp.ascontiguousarray(c) for c in (cu_q, cu_k))
-        return dataclasses.replace(call, arrays=(q, k, v), extra=tuple(extra), cu=cu, alibi_slopes=args[11],
+        return dataclasses.replace(call, arrays=(q, k, v), extra=tuple(extra), cu=cu, alibi_slopes=alibi_slopes,
                                    kind=_arrays.Caller("cupy", q.data.device_id, q)), flag
 
     @contextlib.contextmanager

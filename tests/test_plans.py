@@ -101,10 +101,12 @@ def test_gpu_a_checked_signature_still_refuses_what_it_did_not_check():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "causal_d64", "varlen", "backward", "varlen_backward"])
+@pytest.mark.parametrize("case", ["dense", "causal_d64", "varlen", "backward", "varlen_backward",
+                                  "decode_paged", "append"])
 def test_gpu_a_replayed_call_equals_a_fresh_one(case, monkeypatch):
-    """The same call through a plan (new arrays, so new addresses) and prepared afresh
-    (CUPYFLASH_LAUNCH_PLANS=0) give bit-identical results (the backward's deterministic dQ)."""
+    """The same call through its checked signature and its plan (new arrays, so new
+    addresses; decode has no plan) and checked and prepared afresh (CUPYFLASH_LAUNCH_PLANS=0)
+    give bit-identical results (the backward's deterministic dQ)."""
     import cupy as cp
     import ml_dtypes
 
@@ -124,6 +126,14 @@ def test_gpu_a_replayed_call_equals_a_fresh_one(case, monkeypatch):
             out, lse = cf.flash_attention(q, k, v, causal=True, return_lse=True)
             return cf.flash_attention_backward(randn(*q.shape), q, k, v, out, lse, causal=True,
                                                deterministic=True)
+        if case in ("decode_paged", "append"):
+            kc, vc = randn(40, 16, 2, 128), randn(40, 16, 2, 128)
+            table = cp.asarray(np.random.default_rng(0).permutation(40).astype(np.int32).reshape(2, 20))
+            lens = cp.asarray(np.array([17, 300], np.int32))
+            new = {"k": randn(2, 1, 2, 128), "v": randn(2, 1, 2, 128)} if case == "append" else {}
+            out = cf.flash_attention_with_kvcache(randn(2, 1, 8, 128), kc, vc, cache_seqlens=lens,
+                                                  block_table=table, return_lse=True, **new)
+            return (*out, kc, vc)
         cu = cp.asarray(np.array([0, 5, 300, 301, 700], np.int32))
         q, k, v = (randn(700, 4, 128) for _ in range(3))
         out, lse = cf.flash_attention_varlen(q, k, v, cu, cu, 399, 399, causal=True, return_lse=True)
