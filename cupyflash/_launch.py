@@ -921,11 +921,12 @@ def forward(q, k, v, out, lse, scale, spec, block_mask=None, alibi_slopes=None, 
     preallocated outputs; ``dropout`` the (seed, offset) of a spec with dropout;
     ``user_arrays`` those of its user mods (``_fill_user``); ``packed``: the Packed batch of a
     spec with varlen, whose q, k, v and out come as (1, total, nheads, headdim). Through the
-    plan of its signature (``_planned``), except with a block mask (whose lists are its own)."""
+    plan of its signature (``_planned``), except with a block mask (whose lists are its own) or
+    dropout (whose offset changes at every step of a training loop)."""
     arrays = (q, k, v, out, lse, alibi_slopes, *_packed_arrays(packed), *user_arrays)
     _planned(lambda: _forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, dropout, user_arrays,
                               packed),
-             arrays, ("fwd", spec, scale, dropout, _packed_maxima(packed)), block_mask is None)
+             arrays, ("fwd", spec, scale, _packed_maxima(packed)), block_mask is None and not spec.dropout)
 
 
 def _packed_arrays(packed):
@@ -984,8 +985,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, 
               *user_arrays, *(g for _, g in grads))
     _planned(lambda: _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask,
                                alibi_slopes, dropout, user_arrays, user_grads, deterministic, packed),
-             arrays, ("bwd", spec, scale, dropout, _packed_maxima(packed), deterministic,
-                      tuple(slot for slot, _ in grads)), block_mask is None)
+             arrays, ("bwd", spec, scale, _packed_maxima(packed), deterministic, tuple(slot for slot, _ in grads)),
+             block_mask is None and not spec.dropout)
 
 
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec, block_mask, alibi_slopes,

@@ -134,10 +134,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
             return_lse=_validate.check_flag("return_lse", return_lse))
     key = None if not (block_mask is None and score_mod is None and mask_mod is None) else _signature(
         (q, k, v, alibi_slopes),
-        ("fwd", causal, softmax_scale, window_size, softcap, dropout_p, seed, offset, return_lse))
+        ("fwd", causal, softmax_scale, window_size, softcap, dropout_p, return_lse))
     checked = _CHECKED.get(key)
     if checked is not None:
-        spec, scale, seed, offset, return_lse = checked
+        spec, scale, return_lse = checked
+        _, seed, offset = _validate.check_dropout(dropout_p, seed, offset)   # they change per step
         with _arrays.launch_context(_arrays.Caller("cupy", q.data.device_id, q)):
             out, lse = _forward_gpu(q, k, v, scale, spec, None, alibi_slopes, seed, offset, [])
         return (out, lse) if return_lse else out
@@ -153,7 +154,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     block_mask = _mask_of(mask_mod, block_mask, q, k, xp)
     spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
                              dropout_p, block_mask, score_mod, user_mods)
-    _remember(key, (spec, scale, seed, offset, return_lse))
+    _remember(key, (spec, scale, return_lse))
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend
@@ -206,10 +207,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
             score_mod=score_mod, mask_mod=mask_mod, deterministic=deterministic)
     key = None if not (block_mask is None and score_mod is None and mask_mod is None) else _signature(
         (dout, q, k, v, out, lse, alibi_slopes),
-        ("bwd", causal, softmax_scale, window_size, softcap, dropout_p, seed, offset, deterministic))
+        ("bwd", causal, softmax_scale, window_size, softcap, dropout_p, deterministic))
     checked = _CHECKED.get(key)
     if checked is not None:
-        spec, scale, seed, offset, deterministic = checked
+        spec, scale, deterministic = checked
+        _, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
         with _arrays.launch_context(_arrays.Caller("cupy", q.data.device_id, q)):
             return _backward_gpu(dout, q, k, v, out, lse, scale, spec, None, alibi_slopes, seed, offset,
                                  deterministic, None, [])
@@ -233,7 +235,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     block_mask = _mask_of(mask_mod, block_mask, q, k, xp)
     spec, scale = _call_spec(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
                              dropout_p, block_mask, score_mod, user_mods)
-    _remember(key, (spec, scale, seed, offset, deterministic))
+    _remember(key, (spec, scale, deterministic))
     with _arrays.launch_context(kind):
         if xp is np:
             from . import _numpy_backend

@@ -61,7 +61,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
             window_size, softcap, alibi_slopes, dropout_p, seed, offset, score_mod, check_offsets)
     key = _PackedCall.signature(args, (), return_lse)
-    call = _PackedCall.again(key, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, ())
+    call = _PackedCall.again(key, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, (), dropout_p, seed, offset)
     if call is None:
         call = _PackedCall.of(*args, (), ())
         return_lse = _validate.check_flag("return_lse", return_lse)
@@ -96,7 +96,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
             window_size, softcap, alibi_slopes, dropout_p, seed, offset, score_mod, check_offsets)
     key = _PackedCall.signature(args, (dout, out, lse), deterministic)
-    call = _PackedCall.again(key, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, (dout, out, lse))
+    call = _PackedCall.again(key, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, (dout, out, lse),
+                             dropout_p, seed, offset)
     if call is None:
         deterministic = _validate.check_flag("deterministic", deterministic)
         call = _PackedCall.of(*args, (dout, out, lse), ("dout", "out", "lse"))
@@ -188,23 +189,26 @@ class _PackedCall:
             return None
         return _signature((q, k, v, cu_q, cu_k, alibi_slopes, *extra),
                           ("varlen", max_q, max_k, causal, softmax_scale, window_size, softcap, dropout_p,
-                           seed, offset, check_offsets, flag))
+                           check_offsets, flag))
 
     def options(self):
         """The call without its arrays (what ``again`` keeps of it)."""
-        return dataclasses.replace(self, arrays=(), extra=(), cu=(), alibi_slopes=None, kind=None)
+        return dataclasses.replace(self, arrays=(), extra=(), cu=(), alibi_slopes=None, seed=None, offset=0,
+                                   kind=None)
 
     @staticmethod
-    def again(key, q, k, v, cu_q, cu_k, alibi_slopes, extra):
+    def again(key, q, k, v, cu_q, cu_k, alibi_slopes, extra, dropout_p, seed, offset):
         """(the call, its flag) for a signature whose checks passed before (``_remember``), with
-        this call's arrays, else None."""
+        this call's arrays and dropout seed and offset (checked: they change per step), else
+        None."""
         checked = _CHECKED.get(key)
         if checked is None:
             return None
         call, flag = checked
+        _, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
         cu = tuple(call.xp.ascontiguousarray(c) for c in (cu_q, cu_k))
         return dataclasses.replace(call, arrays=(q, k, v), extra=tuple(extra), cu=cu, alibi_slopes=alibi_slopes,
-                                   kind=_arrays.Caller("cupy", q.data.device_id, q)), flag
+                                   seed=seed, offset=offset, kind=_arrays.Caller("cupy", q.data.device_id, q)), flag
 
     @contextlib.contextmanager
     def packed(self):

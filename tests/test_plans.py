@@ -93,6 +93,9 @@ def test_gpu_a_checked_signature_still_refuses_what_it_did_not_check():
         cf.flash_attention(q, q, q, causal=1)
     with pytest.raises(ValueError, match="shape"):
         cf.flash_attention(q, q[:, :32], q, causal=True)
+    cf.flash_attention(q, q, q, dropout_p=0.25, seed=1)
+    with pytest.raises(ValueError, match="seed"):   # seed and offset are checked at every call
+        cf.flash_attention(q, q, q, dropout_p=0.25)
     cu = cp.asarray(np.array([0, 64], np.int32))
     cf.flash_attention_varlen(q[0], q[0], q[0], cu, cu, 64, 64)
     bad = cp.asarray(np.array([0, 65], np.int32))   # the offsets are read again at every call
@@ -102,7 +105,7 @@ def test_gpu_a_checked_signature_still_refuses_what_it_did_not_check():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "causal_d64", "varlen", "backward", "varlen_backward",
-                                  "decode_paged", "append"])
+                                  "decode_paged", "append", "dropout"])
 def test_gpu_a_replayed_call_equals_a_fresh_one(case, monkeypatch):
     """The same call through its checked signature and its plan (new arrays, so new
     addresses; decode has no plan) and checked and prepared afresh (CUPYFLASH_LAUNCH_PLANS=0)
@@ -126,6 +129,11 @@ def test_gpu_a_replayed_call_equals_a_fresh_one(case, monkeypatch):
             out, lse = cf.flash_attention(q, k, v, causal=True, return_lse=True)
             return cf.flash_attention_backward(randn(*q.shape), q, k, v, out, lse, causal=True,
                                                deterministic=True)
+        if case == "dropout":   # a new offset at every step, under one signature
+            q, k, v = (randn(2, 333, 4, 128) for _ in range(3))
+            for offset in range(3):
+                out = cf.flash_attention(q, k, v, dropout_p=0.25, seed=5, offset=offset, return_lse=True)
+            return out
         if case in ("decode_paged", "append"):
             kc, vc = randn(40, 16, 2, 128), randn(40, 16, 2, 128)
             table = cp.asarray(np.random.default_rng(0).permutation(40).astype(np.int32).reshape(2, 20))
