@@ -82,7 +82,6 @@ def timed_stages(spent):
     """Wrap the BREAKDOWN functions (in every cupyflash module that holds them) so that each
     adds its inclusive time to ``spent[name]``; returns a function that undoes it."""
     import importlib
-    import cupyflash
     undo = []
     modules = [importlib.import_module(f"cupyflash.{m}") for m in
                ("api", "_validate", "_launch", "_arrays", "varlen", "kvcache")]
@@ -103,7 +102,6 @@ def timed_stages(spent):
         for holder in holders:
             setattr(holder, attr, wrapper)
             undo.append((holder, attr, original))
-    assert cupyflash
     return lambda: [setattr(h, a, o) for h, a, o in reversed(undo)]
 
 

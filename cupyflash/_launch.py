@@ -473,9 +473,9 @@ class _ArgPlan(NamedTuple):
                 return None
             maps.append((w, source, *rest))
             buf[w:w + _MAP // 8] = 0
-        w, src, delta = (np.array(c, dtype) for c, dtype in zip(zip(*slots) if slots else ((), (), ()),
-                                                                 (np.intp, np.intp, np.uint64)))
-        return cls(value.dtype, buf, w, src, delta, tuple(maps), {})
+        return cls(value.dtype, buf, np.array([s[0] for s in slots], np.intp),
+                   np.array([s[1] for s in slots], np.intp), np.array([s[2] for s in slots], np.uint64),
+                   tuple(maps), {})
 
     def key(self):
         return (self.dtype, self.template.tobytes(), self.words.tobytes(), self.sources.tobytes(),

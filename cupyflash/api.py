@@ -139,7 +139,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     if checked is not None:
         spec, scale, return_lse = checked
         _, seed, offset = _validate.check_dropout(dropout_p, seed, offset)   # they change per step
-        with _arrays.launch_context(_arrays.Caller("cupy", q.data.device_id, q)):
+        with _arrays.launch_context(_checked_caller(q)):
             out, lse = _forward_gpu(q, k, v, scale, spec, None, alibi_slopes, seed, offset, [])
         return (out, lse) if return_lse else out
     causal = _validate.check_flag("causal", causal)
@@ -212,7 +212,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     if checked is not None:
         spec, scale, deterministic = checked
         _, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
-        with _arrays.launch_context(_arrays.Caller("cupy", q.data.device_id, q)):
+        with _arrays.launch_context(_checked_caller(q)):
             return _backward_gpu(dout, q, k, v, out, lse, scale, spec, None, alibi_slopes, seed, offset,
                                  deterministic, None, [])
     causal = _validate.check_flag("causal", causal)
@@ -282,6 +282,12 @@ def _signature(arrays, options):
     except TypeError:
         return None
     return key
+
+
+def _checked_caller(q):
+    """The Caller of a call found by its signature: its arrays are CuPy ndarrays on q's GPU
+    (what _arrays.as_backend makes of them)."""
+    return _arrays.Caller("cupy", q.data.device_id, q)
 
 
 def _typed(value):

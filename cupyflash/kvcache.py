@@ -6,7 +6,7 @@ import sys
 import numpy as np
 
 from . import _arrays, _config, _spec, _validate
-from .api import _CHECKED, _as_backend, _call_spec, _remember, _signature
+from .api import _CHECKED, _as_backend, _call_spec, _checked_caller, _remember, _signature
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens,
@@ -57,17 +57,17 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     -------
     out like q, or ``(out, lse)`` with lse (batch, nheads, seqlen_q).
     """
-    key = _signature((q, k_cache, v_cache, k, v, cache_seqlens if hasattr(cache_seqlens, "shape") else None,
-                      block_table, alibi_slopes),
-                     ("kvcache", None if hasattr(cache_seqlens, "shape") else cache_seqlens, causal,
-                      window_size, softcap, softmax_scale, num_splits, return_lse, check_lengths))
+    lengths_array = hasattr(cache_seqlens, "shape")
+    key = _signature((q, k_cache, v_cache, k, v, cache_seqlens if lengths_array else None, block_table,
+                      alibi_slopes),
+                     ("kvcache", None if lengths_array else cache_seqlens, causal, window_size, softcap,
+                      softmax_scale, num_splits, return_lse, check_lengths))
     checked = _CHECKED.get(key)
     if checked is not None:
         spec, scale, causal, window_size, softcap, num_splits, return_lse, check_lengths = checked
-        seqlens = cache_seqlens if hasattr(cache_seqlens, "shape") else None
-        cache = _Cache(q.shape[0], k_cache, block_table, seqlens, None if seqlens is not None else cache_seqlens,
-                       0 if k is None else k.shape[1])
-        with _arrays.launch_context(_arrays.Caller("cupy", q.data.device_id, q)):
+        cache = _Cache(q.shape[0], k_cache, block_table, cache_seqlens if lengths_array else None,
+                       None if lengths_array else cache_seqlens, 0 if k is None else k.shape[1])
+        with _arrays.launch_context(_checked_caller(q)):
             out, lse = _gpu(sys.modules["cupy"], cache, q, k_cache, v_cache, k, v, spec, scale, alibi_slopes,
                             num_splits, causal, window_size, softcap, check_lengths)
         return (out, lse) if return_lse else out
@@ -79,7 +79,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new keys and their values)")
     seqlens_int = None
-    if not hasattr(cache_seqlens, "shape"):
+    if not lengths_array:
         seqlens_int = _validate.check_int("cache_seqlens", cache_seqlens, 0, _validate.INT32_LIMIT - 1)
     names = ["q", "k_cache", "v_cache"]
     arrays = [q, k_cache, v_cache]

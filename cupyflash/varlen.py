@@ -13,7 +13,8 @@ import dataclasses
 import numpy as np
 
 from . import _arrays, _config, _spec, _validate, mods
-from .api import _CHECKED, _as_backend, _backward_gpu, _call_spec, _forward_gpu, _remember, _signature, _user_mods
+from .api import (_CHECKED, _as_backend, _backward_gpu, _call_spec, _checked_caller, _forward_gpu, _remember,
+                  _signature, _user_mods)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
@@ -208,7 +209,7 @@ class _PackedCall:
         _, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
         cu = tuple(call.xp.ascontiguousarray(c) for c in (cu_q, cu_k))
         return dataclasses.replace(call, arrays=(q, k, v), extra=tuple(extra), cu=cu, alibi_slopes=alibi_slopes,
-                                   seed=seed, offset=offset, kind=_arrays.Caller("cupy", q.data.device_id, q)), flag
+                                   seed=seed, offset=offset, kind=_checked_caller(q)), flag
 
     @contextlib.contextmanager
     def packed(self):

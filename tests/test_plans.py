@@ -96,6 +96,14 @@ def test_gpu_a_checked_signature_still_refuses_what_it_did_not_check():
     cf.flash_attention(q, q, q, dropout_p=0.25, seed=1)
     with pytest.raises(ValueError, match="seed"):   # seed and offset are checked at every call
         cf.flash_attention(q, q, q, dropout_p=0.25)
+    cache = cp.zeros((1, 64, 2, 64), ml_dtypes.bfloat16)
+    new = cp.zeros((1, 1, 2, 64), ml_dtypes.bfloat16)
+    for _ in range(2):
+        cf.flash_attention_with_kvcache(q[:, :1], cache, cache.copy(), k=new, v=new,
+                                        cache_seqlens=cp.asarray(np.array([10], np.int32)))
+    with pytest.raises(ValueError, match="cache"):   # the lengths are read again at every call
+        cf.flash_attention_with_kvcache(q[:, :1], cache, cache.copy(), k=new, v=new,
+                                        cache_seqlens=cp.asarray(np.array([64], np.int32)))
     cu = cp.asarray(np.array([0, 64], np.int32))
     cf.flash_attention_varlen(q[0], q[0], q[0], cu, cu, 64, 64)
     bad = cp.asarray(np.array([0, 65], np.int32))   # the offsets are read again at every call

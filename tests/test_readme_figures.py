@@ -71,6 +71,18 @@ def test_readme_varlen_table_is_the_cited_run():
                 assert float(ratio[0]) == round(value / dense, 2), (impl, pass_, causal)
 
 
+def test_readme_earlier_checked_varlen_range_is_that_run():
+    """The packed-batch section's range of the checked rows in the earlier run of the day (the
+    launch plans alone, 58aa8a3) is that run's."""
+    text = (ROOT / "README.md").read_text()
+    lo, hi = (float(x) for x in re.search(
+        r"the same checked rows read ([\d.]+)-([\d.]+) in an earlier run of the same day", text).groups())
+    rows = json.loads((ROOT / "benchmarks/results/2026-11-25_h200_varlen_58aa8a3.json").read_text())["rows"]
+    found = {(r["impl"], r["pass_"], r["causal"]): r["tflops"] for r in rows if r.get("tflops")}
+    ratios = [found[("varlen", p, c)] / found[("dense_mean", p, c)] for p in ("fwd", "bwd") for c in (False, True)]
+    assert (round(min(ratios), 2), round(max(ratios), 2)) == (lo, hi)
+
+
 def test_readme_eager_decode_figures_are_the_cited_run():
     """The eager decode sentence's ranges (batch 1 and 8 at 8K, every layout) are those of the
     bench_decode JSON it names, and unchecked eager calls take a replay's time there (within
