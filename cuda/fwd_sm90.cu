@@ -65,6 +65,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr bool Persistent = HeadDim <= 128;
     constexpr int ProducerRegs = Groups == 3 ? 32 : Persistent ? 40 : 24;
     constexpr int ConsumerRegs = Groups == 3 ? 160 : Persistent ? 232 : 240;
+    // The softmax's maxima settle (softmax.cuh) where two consumers take turns; with three
+    // (head dim 64) that measured 5% slower (benchmarks/NOTES.md).
+    constexpr bool Settled = Groups == 2;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
     // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
     // registers of a second block per SM, and the kernel was slower than the generic one.
@@ -245,7 +248,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             const int n0 = kb.block(it) * Bc;
             mod.apply<false>(s, row0 + wrow, n0, lane);
             if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
-            return softmax.step(s, mod.mult(), alpha);
+            return softmax.template step<Settled>(s, mod.mult(), alpha);
         };
         // S of block `it` has landed: its K buffer is free, and after the last, Q's (unless
         // it stages O).

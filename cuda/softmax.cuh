@@ -66,9 +66,12 @@ struct OnlineSoftmax {
     }
 
     // update in two steps, for a kernel whose acc is still being written by a matrix multiply
-    // while the scores of the next block are exponentiated: step turns s into p and returns
-    // whether acc needs rescale(acc, alpha) before it is accumulated into again.
-    template <int MT, int NT>
+    // while the scores of the next block are exponentiated (the Hopper forward): step turns s
+    // into p and returns whether acc needs rescale(acc, alpha) before it is accumulated into
+    // again. Settled: the rows' maxima settle (new_max), so that past the first blocks almost
+    // no block rescales O, where with exact maxima some row of a warp's 16 moved in most blocks
+    // (on random scores a row's max moves at block j about once in j blocks).
+    template <bool Settled, int MT, int NT>
     __device__ __forceinline__ bool step(float (&s)[MT][NT][4], float mult, float (&alpha)[Rows]) {
         if constexpr (same_type<P, bf16>)
             if (fixed) {
@@ -76,7 +79,7 @@ struct OnlineSoftmax {
                 return false;
             }
         float base[Rows];
-        const bool moved = new_max(s, mult, alpha, base);
+        const bool moved = new_max<Settled>(s, mult, alpha, base);
         exponentiate(s, mult, base);
         return moved;
     }
@@ -93,7 +96,13 @@ struct OnlineSoftmax {
 
     // The rows' new maxima over s; alpha the factor of the old sums (applied to l here) and
     // base the new max in log2 units. True where some row of the warp moved its max.
-    template <int MT, int NT>
+    // Settled: a row keeps its max m while the block's stays within 8 of it in log2 units (s *
+    // mult), and moves to the block's past that. Every p is then below 2^8, and the key that
+    // set m keeps p = 1, so l >= 1 and a key that did not set m weighs at most 256/257. Where
+    // a softmax on the exact max gives a weight that rounds to exactly 1 (its p is 1: a row one
+    // key dominates), that key set m here too; other weights round as they do there (the same
+    // relative rounding of p: 2^8 is far inside fp16's range).
+    template <bool Settled = false, int MT, int NT>
     __device__ __forceinline__ bool new_max(const float (&s)[MT][NT][4], float mult, float (&alpha)[Rows],
                                             float (&base)[Rows]) {
         static_assert(2 * MT == Rows, "two accumulator rows per m16 tile");
@@ -112,6 +121,10 @@ struct OnlineSoftmax {
                     mx = fmaxf(mx, chained_reduce<Chains, NT>(pair_max, [](float a, float b) { return fmaxf(a, b); }));
                 }
                 mx = quad_max(mx);
+                if constexpr (Settled) {
+                    constexpr float slack = 8.f;
+                    if (m[r] != neg_inf() && __fmul_rn(mx, mult) - __fmul_rn(m[r], mult) <= slack) mx = m[r];
+                }
                 // A row that has seen no key yet keeps the base at 0, so exp2 gives 0, not NaN.
                 base[r] = mx == neg_inf() ? 0.f : mx * mult;
                 // Rounded like base: fused into an FMA, the product's rounding residual made

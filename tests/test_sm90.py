@@ -249,6 +249,47 @@ def test_sm90_forward_matches_the_reference(case, dtype):
     assert_rule("lse", lse, ref_lse, naive_lse, 2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sm90_forward_with_climbing_maxima(dtype):
+    """Scores that climb along the keys, so that a row's max moves block after block: rows
+    with a small slope stay within the settled base's slack of it (p up to 2^8), rows with a
+    steep one move past it at every block, and in the steepest the last key dominates the row
+    (a weight that rounds to exactly 1, as the naive softmax gives it). Under FlashAttention's
+    rule like any input (softmax.cuh, OnlineSoftmax::new_max)."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    import ml_dtypes
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    b, sq, sk, h, d = 1, 200, 1000, 2, 128
+    rng = np.random.default_rng(7)
+    # Row i's scores rise by slope_i (log2 units) per 128-key block: 0.05 .. 40 over the rows;
+    # the last key lies one more block's rise up.
+    slope = np.geomspace(0.05, 40.0, sq)
+    ramp = np.arange(sk) / 128.0
+    q = np.zeros((b, sq, h, d))
+    q[..., 0] = (slope / np.log2(np.e) * np.sqrt(d))[None, :, None]
+    q[..., 1:] = 0.3 * rng.standard_normal((b, sq, h, d - 1))
+    k = np.zeros((b, sk, h, d))
+    k[..., 0] = ramp[None, :, None]
+    k[:, -1, :, 0] += 1.0   # the last key one block's rise above the ramp
+    k[..., 1:] = 0.3 * rng.standard_normal((b, sk, h, d - 1))
+    q, k = (cupy.asarray(x.astype(np_dtype)) for x in (q, k))
+    v = cupy.asarray(random_array(np, (b, sk, h, d), np_dtype, 8))
+    out, lse = cf.flash_attention(q, k, v, return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, d ** -0.5, False)
+    naive_out, naive_lse = attention_naive(q, k, v, d ** -0.5, False, dtype)
+    assert_rule("out", out, ref_out, naive_out, 2)
+    assert_rule("lse", lse, ref_lse, naive_lse, 2)
+    # The steep rows are the last key's: the naive softmax rounds its weight to 1, and their
+    # error is their own (the whole tensor's bound would hide it under the other rows').
+    one_key = (cupy.asarray(naive_out)[0] == v[0, -1].astype(cupy.float32)[None]).all(axis=(1, 2))
+    assert int(one_key.sum()) >= 20
+    assert_rule("out of the rows one key dominates", out[:, one_key], ref_out[:, one_key],
+                naive_out[:, one_key], 2)
+
+
 @pytest.mark.parametrize("d, kw, groups", [
     (64, {}, 3), (40, dict(causal=True, alibi=True), 3), (64, dict(softcap=2.0), 2),
     (64, dict(block_mask=True), 2), (128, {}, 2), (256, {}, 2)])
