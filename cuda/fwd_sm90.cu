@@ -65,9 +65,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr bool Persistent = HeadDim <= 128;
     constexpr int ProducerRegs = Groups == 3 ? 32 : Persistent ? 40 : 24;
     constexpr int ConsumerRegs = Groups == 3 ? 160 : Persistent ? 232 : 240;
-    // The softmax's maxima settle (softmax.cuh) where two consumers take turns; with three
-    // (head dim 64) that measured 5% slower (benchmarks/NOTES.md).
-    constexpr bool Settled = Groups == 2;
+    // The softmax's maxima settle (softmax.cuh) where two consumers take turns, for plain and
+    // capped scores: with three consumers (head dim 64), with ALiBi and with user score_mods
+    // it measured 1.5-5% slower, plain and softcap 2.5-7% faster (benchmarks/NOTES.md).
+    constexpr bool Settled = Groups == 2 && !V::Alibi && !V::UserScore;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
     // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
     // registers of a second block per SM, and the kernel was slower than the generic one.
