@@ -67,8 +67,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr int ConsumerRegs = Groups == 3 ? 160 : Persistent ? 232 : 240;
     // The softmax's maxima settle (softmax.cuh) where two consumers take turns, for plain and
     // capped scores: with three consumers (head dim 64), with ALiBi and with user score_mods
-    // it measured 1.5-5% slower, plain and softcap 2.5-7% faster (benchmarks/NOTES.md).
-    constexpr bool Settled = Groups == 2 && !V::Alibi && !V::UserScore;
+    // it measured 1.5-5% slower, plain and softcap 2.5-7% faster (benchmarks/NOTES.md). Above
+    // head dim 128 the window's and packed calls' kernels spill with it.
+    constexpr bool Settled = Groups == 2 && !V::Alibi && !V::UserScore && (HeadDim <= 128 || !(V::Local || V::Varlen));
+    // Settled, up to head dim 128 and without softcap, the softmax does not wait for the
+    // block's max (softmax_step below): with softcap that measured 5% slower, above head dim
+    // 128 1% faster and it spilled.
+    constexpr bool Speculate = Settled && HeadDim <= 128 && !V::Softcap;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
     // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
     // registers of a second block per SM, and the kernel was slower than the generic one.
@@ -244,19 +249,63 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // The fixed base (softmax.cuh) only above 128 columns: at 64 and 128 its second sum
         // per score cost more than the max it saves (benchmarks/NOTES.md).
         softmax.init(HeadDim > 128 && mod.bounded());
-        // Scores of block `it` (landed in s) to probabilities; true where O needs rescaling.
-        auto softmax_step = [&](int it, float (&alpha)[2]) {
+        // The held scores of block `it` (landed in s): the score modifier and the mask.
+        auto hold = [&](int it) {
             const int n0 = kb.block(it) * Bc;
             mod.apply<false>(s, row0 + wrow, n0, lane);
             if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
-            return softmax.template step<Settled>(s, mod.mult(), alpha);
         };
-        // S of block `it` has landed: its K buffer is free, and after the last, Q's (unless
+        // S of block `it` is done with: its K buffer is free, and after the last, Q's (unless
         // it stages O).
-        auto scores_landed = [&](int it) {
-            wgmma_fence_operands(sflat);
+        auto scores_done = [&](int it) {
             release(&k_empty[(g + it) % Stages]);
             if (OwnStage && it == kb.count - 1) release_q();
+        };
+        // S of block `it` has landed (where the softmax speculates, K and Q are kept until its
+        // step).
+        auto scores_landed = [&](int it) {
+            wgmma_fence_operands(sflat);
+            if (!Speculate) scores_done(it);
+        };
+        // Scores of block `it` to probabilities; true where O needs rescaling. Speculating,
+        // past the first block, a warp whose rows all have a max exponentiates on them at once
+        // (OnlineSoftmax::speculate); where some thread of the warpgroup cannot use its p, the
+        // warpgroup computes the block's S again and takes the exact step on it.
+        auto softmax_step = [&](int it, float (&alpha)[2]) {
+            hold(it);
+            if constexpr (Speculate) {
+                bool moved = false;
+                if (it == 0) {
+                    moved = softmax.template step<true>(s, mod.mult(), alpha);
+                } else {
+                    const float m0[2] = {softmax.m[0], softmax.m[1]}, l0[2] = {softmax.l[0], softmax.l[1]};
+                    const bool fresh = __any_sync(0xffffffffu, softmax.fresh());
+                    float part[2];
+                    bool big = false;
+                    if (fresh)
+                        moved = softmax.template step<true>(s, mod.mult(), alpha);
+                    else
+                        big = softmax.speculate(s, mod.mult(), part);
+                    if (!named_bar_any(2 + 2 * Groups + wg, 128, big)) {
+                        if (!fresh) softmax.add_sums(part);
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            softmax.m[r] = m0[r];
+                            softmax.l[r] = l0[r];
+                        }
+                        issue_qk(g + it);
+                        wgmma_wait<0>();
+                        wgmma_fence_operands(sflat);
+                        hold(it);
+                        moved = softmax.template step<false>(s, mod.mult(), alpha);
+                    }
+                }
+                scores_done(it);
+                return moved;
+            } else {
+                return softmax.template step<Settled>(s, mod.mult(), alpha);
+            }
         };
 
         if (kb.count > 0) {

@@ -74,6 +74,13 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// bar.sync that also ORs pred over the `threads` taking part: true where any thread's is.
+__device__ __forceinline__ bool named_bar_any(int id, int threads, bool pred) {
+    u32 any;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.or.pred p, %2, %3, q;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(any) : "r"(static_cast<u32>(pred)), "r"(id), "r"(threads) : "memory");
+    return any != 0;
+}
 
 // ---- Register reallocation between the warpgroups of a block (every thread of the warpgroup
 // executes it): a copy-issuing warpgroup gives registers back, the multiplying ones take them.

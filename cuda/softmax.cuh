@@ -139,9 +139,14 @@ struct OnlineSoftmax {
         return __any_sync(0xffffffffu, moved);
     }
 
-    // p = exp2(s * mult - base), added to this thread's part of l.
+    // p = exp2(s * mult - base), added to this thread's part of l (or of sum).
     template <int MT, int NT>
     __device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], float mult, const float (&base)[Rows]) {
+        exponentiate(s, mult, base, l);
+    }
+    template <int MT, int NT>
+    __device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], float mult, const float (&base)[Rows],
+                                                 float (&sum)[Rows]) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -151,9 +156,42 @@ struct OnlineSoftmax {
                     const int r = 2 * mt + e / 2;
                     const float p = fast_exp2(fmaf(s[mt][nt][e], mult, -base[r]));
                     s[mt][nt][e] = p;
-                    if constexpr (Chains == 1) l[r] += p;
+                    if constexpr (Chains == 1) sum[r] += p;
                 }
-        if constexpr (Chains > 1) add_row_sums(s, l);
+        if constexpr (Chains > 1) add_row_sums(s, sum);
+    }
+
+    // Whether a row of the thread has no max yet (no key seen).
+    __device__ __forceinline__ bool fresh() const {
+        bool any = false;
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) any |= m[r] == neg_inf();
+        return any;
+    }
+    // The settled step without the block's max (the Hopper forward, rows that have a max):
+    // p on the rows' current bases at once, the thread's part of each row's sum of them into
+    // part. True where some part passes 2^8, so that some p may have (or is inf): then the
+    // block's p are not to be used, and the caller computes its scores again and takes the
+    // exact step (step<false>), whose max moves to the block's; else it adds part (add_sums).
+    // So every p used is at most 2^8 and the key that set a row's base keeps p = 1 (l >= 1),
+    // which is what new_max<true>'s slack keeps too (see there).
+    template <int MT, int NT>
+    __device__ __forceinline__ bool speculate(float (&s)[MT][NT][4], float mult, float (&part)[Rows]) {
+        float base[Rows];
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) {
+            base[r] = __fmul_rn(m[r], mult);
+            part[r] = 0.f;
+        }
+        exponentiate(s, mult, base, part);
+        bool big = false;
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) big |= part[r] > 256.f;
+        return big;
+    }
+    __device__ __forceinline__ void add_sums(const float (&part)[Rows]) {
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) l[r] += part[r];
     }
 
     // Each row's sum over s, a pair at a time in Chains interleaved chains, added to sum.
