@@ -269,8 +269,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         };
         // Scores of block `it` to probabilities; true where O needs rescaling. Speculating,
         // past the first block, a warp whose rows all have a max exponentiates on them at once
-        // (OnlineSoftmax::speculate); where some thread of the warpgroup cannot use its p, the
-        // warpgroup computes the block's S again and takes the exact step on it.
+        // (OnlineSoftmax::speculate); where some thread of the warpgroup cannot use its p (a
+        // vote on barrier 2 + 2 Groups + wg, its 128 threads), the warpgroup computes the
+        // block's S again and takes the exact step on it.
         auto softmax_step = [&](int it, float (&alpha)[2]) {
             hold(it);
             if constexpr (Speculate) {
