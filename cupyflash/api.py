@@ -132,9 +132,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
             offset=offset, block_mask=block_mask, score_mod=score_mod, mask_mod=mask_mod,
             return_lse=_validate.check_flag("return_lse", return_lse))
-    key = None if not (block_mask is None and score_mod is None and mask_mod is None) else _signature(
-        (q, k, v, alibi_slopes),
-        ("fwd", causal, softmax_scale, window_size, softcap, dropout_p, return_lse))
+    key = _plain_signature((q, k, v, alibi_slopes),
+                           ("fwd", causal, softmax_scale, window_size, softcap, dropout_p, return_lse),
+                           block_mask, score_mod, mask_mod)
     checked = _CHECKED.get(key)
     if checked is not None:
         spec, scale, return_lse = checked
@@ -205,9 +205,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
             dropout_p=dropout_p, seed=seed, offset=offset, block_mask=block_mask,
             score_mod=score_mod, mask_mod=mask_mod, deterministic=deterministic)
-    key = None if not (block_mask is None and score_mod is None and mask_mod is None) else _signature(
-        (dout, q, k, v, out, lse, alibi_slopes),
-        ("bwd", causal, softmax_scale, window_size, softcap, dropout_p, deterministic))
+    key = _plain_signature((dout, q, k, v, out, lse, alibi_slopes),
+                           ("bwd", causal, softmax_scale, window_size, softcap, dropout_p, deterministic),
+                           block_mask, score_mod, mask_mod)
     checked = _CHECKED.get(key)
     if checked is not None:
         spec, scale, deterministic = checked
@@ -282,6 +282,14 @@ def _signature(arrays, options):
     except TypeError:
         return None
     return key
+
+
+def _plain_signature(arrays, options, block_mask, score_mod, mask_mod):
+    """``_signature`` of a dense call, None with a block mask or user mods (their objects'
+    contents are not in a signature)."""
+    if block_mask is None and score_mod is None and mask_mod is None:
+        return _signature(arrays, options)
+    return None
 
 
 def _checked_caller(q):

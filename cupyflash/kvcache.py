@@ -99,8 +99,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     spec, scale = _call_spec(q, k_cache, causal, softmax_scale, window_size, softcap, alibi_slopes,
                              0.0, None, None, "")
     spec = dataclasses.replace(spec, seq=_spec.SEQ_PAGED if cache.paged else _spec.SEQ_CACHE)
-    if xp is not np:
-        _remember(key, (spec, scale, causal, window_size, softcap, num_splits, return_lse, check_lengths))
+    _remember(key, (spec, scale, causal, window_size, softcap, num_splits, return_lse, check_lengths))
     with _arrays.launch_context(kind):
         if xp is np:
             lens = cache.host_lengths()
