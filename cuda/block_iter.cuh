@@ -48,6 +48,12 @@ struct KeyBlocks {
     int free_end;       // the query block
 
     __device__ __forceinline__ int block(int it) const { return idx ? idx[it] : first + it; }
+    // The position of the it-th block visited by a walk that starts at position `pivot`, goes
+    // to the last, then from pivot - 1 back to the first.
+    __device__ __forceinline__ int from_pivot(int it, int pivot) const {
+        const int after = count - pivot;
+        return it < after ? pivot + it : pivot - 1 - (it - after);
+    }
     template <typename V>
     __device__ __forceinline__ bool needs_mask(int it, int Bc) const {
         if (idx) return it < n_partial;

@@ -65,11 +65,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr bool Persistent = HeadDim <= 128;
     constexpr int ProducerRegs = Groups == 3 ? 32 : Persistent ? 40 : 24;
     constexpr int ConsumerRegs = Groups == 3 ? 160 : Persistent ? 232 : 240;
-    // The softmax's maxima settle (softmax.cuh) where two consumers take turns, for plain and
-    // capped scores: with three consumers (head dim 64), with ALiBi and with user score_mods
-    // it measured 1.5-5% slower, plain and softcap 2.5-7% faster (benchmarks/NOTES.md). Above
-    // head dim 128 the window's and packed calls' kernels spill with it.
-    constexpr bool Settled = Groups == 2 && !V::Alibi && !V::UserScore && (HeadDim <= 128 || !(V::Local || V::Varlen));
+    // The softmax's maxima settle (softmax.cuh) where two consumers take turns: plain, capped
+    // and ALiBi scores (the last visited from the diagonal, pivot_of below) measured 2-7%
+    // faster; with three consumers (head dim 64) and with user score_mods, whose maxima may
+    // climb along the keys, 1.5-6% slower (benchmarks/NOTES.md). Above head dim 128 the
+    // window's, packed calls' and softcap + ALiBi kernels spill with it.
+    constexpr bool Settled = Groups == 2 && !V::UserScore &&
+                             (HeadDim <= 128 || !(V::Local || V::Varlen || (V::Alibi && V::Softcap)));
     // Settled, up to head dim 128 and without softcap, the softmax does not wait for the
     // block's max (softmax_step below): with softcap that measured 5% slower, above head dim
     // 128 1% faster and it spilled.
@@ -104,6 +106,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         return at.batch >= p.batch || (V::Varlen && at.tile * Br >= PackedRows<FwdParams>(p, at.batch).sq());
     };
     Mask<V, FwdParams> mask(p);
+    // ALiBi's bias is largest on a row's diagonal (key = query + seqlen_k - seqlen_q) and falls
+    // off on both sides of it, so a dense tile visits the key block of its middle row's
+    // diagonal first, then the blocks after it, then those before it backwards: the rows' maxima
+    // are set in the first blocks and settle (in key order they climbed block after block,
+    // and settled maxima measured slower than exact ones). Other tiles go in key order.
+    auto pivot_of = [&](const KeyBlocks& kb, int seqlen_q, int seqlen_k, int row0) {
+        if (!V::Alibi || kb.idx) return 0;
+        const int diag = max(row0 + Br / 2 + seqlen_k - seqlen_q, 0) / Bc;
+        return max(min(diag - kb.first, kb.count - 1), 0);
+    };
 
     if (threadIdx.x == 0) {
         mbar_init(&q_full, 1);
@@ -139,6 +151,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             const int h = at.head, hk = h / p.group;
             mask.at_head(at.batch, h);
             const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
+            const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), at.tile * Br);
             mbar_expect_bytes(&q_full, Groups * Halves * SubQ * 2);
             for (int part = 0; part < Groups; ++part)
                 for (int c = 0; c < Halves; ++c)
@@ -147,7 +160,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             w = next_tile();
 #pragma unroll 1
             for (int it = 0; it < kb.count; ++it, ++g) {
-                const int buf = g % Stages, n0 = kb.block(it) * Bc;
+                int pos = it;
+                if constexpr (V::Alibi) pos = kb.from_pivot(it, pivot);
+                const int buf = g % Stages, n0 = kb.block(pos) * Bc;
                 const unsigned reuse = (g / Stages - 1) & 1;   // the use that freed the buffer
                 if (g >= Stages) mbar_wait(&k_empty[buf], reuse);
                 mbar_expect_bytes(&k_full[buf], Halves * SubKV * 2);
@@ -241,6 +256,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         mask.at_head(at.batch, h);
         mod.at_head(at.batch, h);
         const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
+        const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), row0);
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
@@ -251,9 +267,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         softmax.init(HeadDim > 128 && mod.bounded());
         // The held scores of block `it` (landed in s): the score modifier and the mask.
         auto hold = [&](int it) {
-            const int n0 = kb.block(it) * Bc;
+            int pos = it;
+            if constexpr (V::Alibi) pos = kb.from_pivot(it, pivot);
+            const int n0 = kb.block(pos) * Bc;
             mod.apply<false>(s, row0 + wrow, n0, lane);
-            if (kb.needs_mask<V>(it, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
+            if (kb.needs_mask<V>(pos, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
         };
         // S of block `it` is done with: its K buffer is free, and after the last, Q's (unless
         // it stages O).

@@ -290,6 +290,34 @@ def test_sm90_forward_with_climbing_maxima(dtype):
                 naive_out[:, one_key], 2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("sq, sk, d, causal", [
+    (700, 1000, 128, False), (700, 1000, 128, True), (1000, 300, 128, False), (1000, 300, 64, True),
+    (333, 900, 256, False), (900, 333, 64, False)])
+def test_sm90_forward_alibi_from_the_diagonal(sq, sk, d, causal, dtype):
+    """ALiBi tiles visit the key block of their middle row's diagonal first, then the later
+    blocks, then the earlier ones backwards, with settled maxima: slopes from gentle to steep
+    (a row's max then climbs by up to 8 x 128 per block toward its diagonal), diagonals inside,
+    before and after the keys (seqlen_q above and below seqlen_k)."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    import ml_dtypes
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    b, h = 2, 4
+    q, k, v = (cupy.asarray(random_array(np, (b, s, h, d), np_dtype, seed))
+               for s, seed in ((sq, 1), (sk, 2), (sk, 3)))
+    slopes = cupy.asarray(np.geomspace(0.01, 8.0, b * h).reshape(b, h), cupy.float32)
+    spec = _spec.CallSpec.of(q, causal=causal, alibi_slopes=slopes)
+    assert _launch.kernel_family(spec, None, q, k, v) == "sm90"
+    out, lse = cf.flash_attention(q, k, v, causal=causal, alibi_slopes=slopes, return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, d ** -0.5, causal, alibi_slopes=slopes)
+    naive_out, naive_lse = attention_naive(q, k, v, d ** -0.5, causal, dtype, alibi_slopes=slopes)
+    assert_rule("out", out, ref_out, naive_out, 2)
+    assert_rule("lse", lse, ref_lse, naive_lse, 2)
+
+
 @pytest.mark.parametrize("d, kw, groups", [
     (64, {}, 3), (40, dict(causal=True, alibi=True), 3), (64, dict(softcap=2.0), 2),
     (64, dict(block_mask=True), 2), (128, {}, 2), (256, {}, 2)])
