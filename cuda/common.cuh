@@ -94,6 +94,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// --- stmatrix (sm_90): the inverse of ldmatrix_x4, register i of each lane into matrix i,
+// lanes 8i..8i+7 giving the row addresses of matrix i.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // --- mma.sync m16n8k16, fp32 accumulators: c += a * b.
 template <typename Elem> __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1);
 template <> __device__ __forceinline__ void mma_16816<fp16>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {

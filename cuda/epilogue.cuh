@@ -113,14 +113,26 @@ __device__ __forceinline__ void stage_swizzled(u16* stage, int wrow, int lane, c
 
 // The forward for a kernel that stores O with the copy engine (the Hopper forward): O = acc /
 // l of the warp's 16 rows from wrow into a swizzled stage of Rows rows, lse of the valid rows
-// straight to memory. row0 is the stage's first row in the sequence.
+// straight to memory. row0 is the stage's first row in the sequence. Stores by stmatrix (sm_90):
+// two n8 tiles of the warp's 16 rows, 16-byte rows of four 8 x 8 matrices, per instruction.
 template <typename Elem, int Rows, int MT, int DT, int Chains, typename Seq>
 __device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const Seq& seq, int h, int row0,
                                                    int wrow, int lane, OnlineSoftmax<2 * MT, Chains, Elem>& softmax, float mult,
                                                    const float (&acc)[MT][DT][4], u16* stage) {
-    float inv_l[2 * MT], lse[2 * MT];
-    softmax.finalize(mult, inv_l, lse);
-    stage_swizzled<Elem, Rows>(stage, wrow, lane, acc, [&](int m, int hf) { return inv_l[2 * m + hf]; });
+    static_assert(MT == 1 && DT % 2 == 0, "a warp's 16 rows, tiles in pairs");
+    float inv_l[2], lse[2];
+    softmax.template finalize<true>(mult, inv_l, lse);
+    // Lane L gives row L % 8 of matrix L / 8: rows + 8 for the odd matrices, the second tile's
+    // columns for the last two.
+    const int r = wrow + lane % 8 + 8 * (lane / 8 % 2), c = 8 * (lane / 16);
+    const u32 base = smem_addr(stage);
+#pragma unroll
+    for (int n = 0; n < DT; n += 2)
+        stmatrix_x4(base + 2 * swizzled_offset<Rows>(r, 8 * n + c),
+                    pack2<Elem>(acc[0][n][0] * inv_l[0], acc[0][n][1] * inv_l[0]),
+                    pack2<Elem>(acc[0][n][2] * inv_l[1], acc[0][n][3] * inv_l[1]),
+                    pack2<Elem>(acc[0][n + 1][0] * inv_l[0], acc[0][n + 1][1] * inv_l[0]),
+                    pack2<Elem>(acc[0][n + 1][2] * inv_l[1], acc[0][n + 1][3] * inv_l[1]));
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll

@@ -85,10 +85,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // Q (Groups warpgroups x Halves sub-tiles), Stages buffers of K and of V, O's stage (as Q);
     // 1024-byte aligned.
     extern __shared__ unsigned char smem_raw[];
-    __shared__ unsigned long long q_full, q_empty, k_full[Stages], v_full[Stages], k_empty[Stages], v_empty[Stages];
-    __shared__ int tile_slot;   // the tile whose Q the producer loads: written before q_full's arrival
+    // Q: two buffers where the kernel is persistent, so that the next tile's Q lands while this
+    // tile runs (with one, a tile waited ~1.5 us for its Q, hidden only behind the epilogue).
+    constexpr int QBufs = Persistent ? 2 : 1, QTile = Groups * Halves * SubQ;
+    __shared__ unsigned long long q_full[QBufs], q_empty[QBufs], k_full[Stages], v_full[Stages], k_empty[Stages],
+        v_empty[Stages];
+    __shared__ int tile_slot[QBufs];   // the tile whose Q the producer loads: written before q_full's arrival
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
-    u16* sK = sQ + Groups * Halves * SubQ;
+    u16* sK = sQ + QBufs * QTile;
     u16* sV = sK + Stages * Halves * SubKV;
     u16* sO = OwnStage ? sV + Stages * Halves * SubKV : sQ;
 
@@ -118,10 +122,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     };
 
     if (threadIdx.x == 0) {
-        mbar_init(&q_full, 1);
+        for (int b = 0; b < QBufs; ++b) mbar_init(&q_full[b], 1);
         // K and V: released by each consumer warp once its products have read the buffer; Q by
         // every consumer thread.
-        mbar_init(&q_empty, Consumers);
+        for (int b = 0; b < QBufs; ++b) mbar_init(&q_empty[b], Consumers);
         for (int s = 0; s < Stages; ++s) {
             mbar_init(&k_full[s], 1);
             mbar_init(&v_full[s], 1);
@@ -140,10 +144,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         auto next_tile = [&]() { return Persistent ? static_cast<int>(gridDim.x) + atomicAdd(tp.counter, 1) : n_work; };
         for (int w = blockIdx.x, t = 0, g = 0;; ++t) {
             while (w < n_work && idle(w)) w = next_tile();
-            if (t > 0) mbar_wait(&q_empty, (t - 1) & 1);
-            tile_slot = w < n_work ? w : -1;
+            const int qb = t % QBufs;
+            if (t >= QBufs) mbar_wait(&q_empty[qb], (t / QBufs - 1) & 1);
+            tile_slot[qb] = w < n_work ? w : -1;
             if (w >= n_work) {
-                mbar_arrive(&q_full);   // no copies: the consumers read -1 and stop
+                mbar_arrive(&q_full[qb]);   // no copies: the consumers read -1 and stop
                 return;
             }
             const BlockCoord at = tile(w);
@@ -152,11 +157,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             mask.at_head(at.batch, h);
             const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
             const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), at.tile * Br);
-            mbar_expect_bytes(&q_full, Groups * Halves * SubQ * 2);
+            mbar_expect_bytes(&q_full[qb], QTile * 2);
             for (int part = 0; part < Groups; ++part)
                 for (int c = 0; c < Halves; ++c)
-                    tma_load_4d(sQ + (part * Halves + c) * SubQ, tp.q, 64 * c, h,
-                                seq.q_map_row(at.tile * Br + 64 * part), seq.map_batch(), &q_full);
+                    tma_load_4d(sQ + qb * QTile + (part * Halves + c) * SubQ, tp.q, 64 * c, h,
+                                seq.q_map_row(at.tile * Br + 64 * part), seq.map_batch(), &q_full[qb]);
             w = next_tile();
 #pragma unroll 1
             for (int it = 0; it < kb.count; ++it, ++g) {
@@ -182,7 +187,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     ScoreMod<V, FwdParams> mod(p);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const int wrow = warp * 16;   // warpgroup wg's rows are 64 wg .. 64 wg + 63
-    const u16* myQ = sQ + wg * Halves * SubQ;
+    const u16* myQ = sQ + wg * Halves * SubQ;   // in the tile's Q buffer
     float acc[1][DT][4];
     float s[1][NT][4];
     float(&sflat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(s);
@@ -193,7 +198,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     };
     // Q's release also lets the producer write tile_slot again, and an arrival releases only
     // its own thread's accesses: every consumer thread, having read it, arrives.
-    auto release_q = [&]() { mbar_arrive(&q_empty); };
+    int qb = 0;   // the tile's Q buffer
+    auto release_q = [&]() { mbar_arrive(&q_empty[qb]); };
     // S = Q K^T of key block g: the warpgroup's 64 rows x Bc keys, k16 steps over the head dim.
     auto issue_qk = [&](int g) {
         const int buf = g % Stages;
@@ -244,8 +250,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     const bool store_thread = threadIdx.x % 128 == 0;   // issues its warpgroup's stores of O
     u16* myO = sO + wg * Halves * SubQ;
     for (int t = 0, g = 0;; ++t) {
-        mbar_wait(&q_full, t & 1);
-        const int w = *static_cast<volatile int*>(&tile_slot);
+        qb = t % QBufs;
+        myQ = sQ + qb * QTile + wg * Halves * SubQ;
+        mbar_wait(&q_full[qb], (t / QBufs) & 1);
+        const int w = *static_cast<volatile int*>(&tile_slot[qb]);
         if (w < 0) {
             if (wg == 0 && turns_started) my_turn();   // the last tile's final hand-on
             break;

@@ -229,6 +229,10 @@ struct OnlineSoftmax {
     // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the
     // natural-log lse into lse_out. Only a sum of exactly 0 is a row without keys: a NaN sum
     // (NaN in q or k, a +inf score) keeps out and lse NaN rather than passing for empty.
+    // Approx: 1 / l and log2(l) by the MUFU's approximations (a few ulp: below the 16-bit
+    // outputs' rounding, and 2^-22 absolute on the lse) instead of IEEE division and log2f's
+    // sequences, which were a measurable part of the Hopper forward's epilogue.
+    template <bool Approx = false>
     __device__ __forceinline__ void finalize(float mult, float (&inv_l)[Rows],
                                              float (&lse_out)[Rows]) {
 #pragma unroll
@@ -237,8 +241,13 @@ struct OnlineSoftmax {
             // Every lane shuffles (quad_sum): a row without keys must not skip it.
             const float norm = fixed ? quad_sum(lr[r]) : sum;
             const bool empty = sum == 0.f;
-            inv_l[r] = empty ? 0.f : 1.f / norm;
-            lse_out[r] = empty ? neg_inf() : (m[r] * mult + log2f(sum)) / LOG2E;
+            if constexpr (Approx) {
+                inv_l[r] = empty ? 0.f : __fdividef(1.f, norm);
+                lse_out[r] = empty ? neg_inf() : (m[r] * mult + __log2f(sum)) * (1.f / LOG2E);
+            } else {
+                inv_l[r] = empty ? 0.f : 1.f / norm;
+                lse_out[r] = empty ? neg_inf() : (m[r] * mult + log2f(sum)) / LOG2E;
+            }
         }
     }
 };

@@ -742,11 +742,12 @@ def sm90_fwd_tile(spec, block_mask):
 
 
 def sm90_fwd_smem(hd, groups, keys):
-    """Q (64 rows per consumer warpgroup), two buffers of K and of V (`keys` rows each) and,
-    for hd <= 128, O's stage (as Q), 16-bit elements, and 1 KB to align them to 1024 bytes."""
+    """Q (64 rows per consumer warpgroup; two buffers for hd <= 128, the persistent kernels),
+    two buffers of K and of V (`keys` rows each) and, for hd <= 128, O's stage (as Q), 16-bit
+    elements, and 1 KB to align them to 1024 bytes."""
     rows = 64 * groups
-    own_stage = rows if hd <= 128 else 0
-    return (rows + 2 * 2 * keys + own_stage) * hd * 2 + 1024
+    persistent = hd <= 128
+    return ((2 if persistent else 1) * rows + 2 * 2 * keys + (rows if persistent else 0)) * hd * 2 + 1024
 
 
 def kernel_family(spec, block_mask, *arrays):
