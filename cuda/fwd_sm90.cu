@@ -82,8 +82,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     static_assert(!V::Dropout, "no dropout in this kernel");
     const FwdParams& p = tp.base;
 
-    // Q (Groups warpgroups x Halves sub-tiles), Stages buffers of K and of V, O's stage (as Q);
-    // 1024-byte aligned.
+    // QBufs buffers of Q (Groups warpgroups x Halves sub-tiles), Stages buffers of K and of V,
+    // O's stage (as Q); 1024-byte aligned.
     extern __shared__ unsigned char smem_raw[];
     // Q: two buffers where the kernel is persistent, so that the next tile's Q lands while this
     // tile runs (with one, a tile waited ~1.5 us for its Q, hidden only behind the epilogue).
