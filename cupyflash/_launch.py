@@ -746,8 +746,8 @@ def sm90_fwd_smem(hd, groups, keys):
     two buffers of K and of V (`keys` rows each) and, for hd <= 128, O's stage (as Q), 16-bit
     elements, and 1 KB to align them to 1024 bytes."""
     rows = 64 * groups
-    persistent = hd <= 128
-    return ((2 if persistent else 1) * rows + 2 * 2 * keys + (rows if persistent else 0)) * hd * 2 + 1024
+    q_and_o_rows = 3 * rows if hd <= 128 else rows
+    return (q_and_o_rows + 2 * 2 * keys) * hd * 2 + 1024
 
 
 def kernel_family(spec, block_mask, *arrays):

@@ -16,11 +16,13 @@ mask; each case asserts that the Hopper kernel is the one that ran (on an sm_90 
 GPU test of such a forward runs it too). Dropout, block masks of 64-row query blocks and rows
 not 16-byte aligned go to the generic kernels.
 """
+import re
+
 import numpy as np
 import pytest
 
 import cupyflash as cf
-from cupyflash import _compile, _launch, _spec, _tma
+from cupyflash import _compile, _config, _launch, _spec, _tma
 from reference import assert_rule, attention_naive, attention_ref, random_array
 
 PROBE = r"""
@@ -316,6 +318,18 @@ def test_sm90_forward_alibi_from_the_diagonal(sq, sk, d, causal, dtype):
     naive_out, naive_lse = attention_naive(q, k, v, d ** -0.5, causal, dtype, alibi_slopes=slopes)
     assert_rule("out", out, ref_out, naive_out, 2)
     assert_rule("lse", lse, ref_lse, naive_lse, 2)
+
+
+def test_hopper_forward_shared_memory_fits_sm90():
+    """Every Hopper forward instantiation's shared memory (two Q buffers and O's stage in the
+    persistent kernels, which puts d=128 within 2 KB of the limit) fits sm_90's opt-in limit
+    with room for the kernel's static barriers."""
+    names = _launch.kernel_names(_config.SMEM_LIMIT[90], hopper=True)["fwd_sm90.cu"]
+    assert names
+    for name in names:
+        hd, groups, keys = (int(x) for x in re.fullmatch(r"flash_fwd_sm90_kernel<\w+, (\d+), .*>, (\d+), (\d+)>",
+                                                          name).groups())
+        assert _launch.sm90_fwd_smem(hd, groups, keys) + 1024 <= _config.SMEM_LIMIT[90], name
 
 
 @pytest.mark.parametrize("d, kw, groups", [
