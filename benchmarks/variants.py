@@ -44,7 +44,7 @@ def needed(headdims):
     limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
     tn = _compile.template_name
     yield "bwd.cu", tn("bwd_preprocess_kernel", "bf16")
-    yield "bwd.cu", tn("bwd_convert_dq_kernel", "bf16", False)
+    yield "bwd.cu", tn("bwd_convert_dq_kernel", "bf16", 0)
     for hd in headdims:
         f, b = _config.tile("fwd", hd, limit), _config.tile("bwd", hd, limit)
         for causal in (False, True):

@@ -35,8 +35,12 @@ __device__ __forceinline__ float lse_log2(float lse) {
 // (((b * nheads + h) * (dq_accum_rows / 16) + rt) * (dq_accum_cols / 8) + ct) * DQ_TILE.
 // The Hopper pass (bwd_sm90.cu) adds whole tiles by the copy engine from a stage that each
 // thread fills with one 16-byte store per tile: its tiles are lane-major (register e of lane
-// L at L * 4 + e).
+// L at L * 4 + e). Its 80-query kernel makes dQ^T, whose fragments hold 2 queries x 2
+// columns 8 apart, and adds a warp's 16 columns x 80 queries at once: its buffer is in column
+// strips (seqinfo.cuh's accum_strip_block) of 16 x 16 blocks, each its queries 0-7 and then
+// 8-15 as 16 columns x 8 queries lane-major (DQ_STRIPS).
 constexpr int DQ_TILE = 16 * 8;
+enum DqLayout { DQ_MMA = 0, DQ_LANES = 1, DQ_STRIPS = 2 };
 
 // The thread's lane in tile `tile` (rows 16 tile ..), column 0, of head h of seq's entry.
 template <typename Seq>
@@ -53,7 +57,7 @@ constexpr int DQ_CONVERT_THREADS = 256;
 // grid (ceil(seqlen_q / PREPROCESS_ROWS), nheads, batch). Writes D, and for the tensor-core
 // passes lse in log2 units (the plain kernels convert lse themselves); where the pass adds dQ
 // into the fp32 buffer, zeroes the buffer's tiles of the block's rows (the buffer comes
-// uninitialized: its own memset cost a pass over it and a launch). Each row's D by a group
+// uninitialized: its own memset cost a pass over it and a launch; dq_strips: in DQ_STRIPS). Each row's D by a group
 // of lanes (the fewest, a power of two, whose 16-byte chunks cover the head dim, at most a
 // warp), each lane one 16-byte load of out and of dout per chunk where rows are 16-byte
 // aligned (element by element where not, and in a last partial chunk), the block's groups
@@ -61,7 +65,8 @@ constexpr int DQ_CONVERT_THREADS = 256;
 // TB/s and the d=64 one at half that (benchmarks/NOTES.md).
 // Seq: the rows' layout (seqinfo.cuh), as the passes' Variant::Seq.
 template <typename Elem, int Seq = SEQ_DENSE>
-__global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(const BwdParams p, int* dq_done) {
+__global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(const BwdParams p, int* dq_done,
+                                                                             int dq_strips) {
     typedef ElemTraits<Elem> Tr;
     typedef typename Tr::storage S;
     typedef typename Tr::acc Acc;
@@ -110,9 +115,11 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
         const int end = blockIdx.x == (sq - 1) / PREPROCESS_ROWS ? (sq + ACCUM_ALIGN - 1) / ACCUM_ALIGN * (ACCUM_ALIGN / 16)
                                                                   : tile0 + TILES;
         const int tiles = tile0 * 16 < sq ? end - tile0 : 0;
-        if (tiles > 0) {
-            float4* span = reinterpret_cast<float4*>(dq_tile_lane(p, seq, h, tile0, 0));
-            const int n = tiles * 16 * p.dq_accum_cols / 4;
+        // In strips: one span per strip.
+        const int spans = dq_strips ? p.dq_accum_cols / 16 : 1, n = tiles * 16 * p.dq_accum_cols / 4 / spans;
+        for (int s = 0; tiles > 0 && s < spans; ++s) {
+            float4* span = reinterpret_cast<float4*>(dq_strips ? p.dq_accum + accum_strip_block(seq, h, tile0, s)
+                                                               : dq_tile_lane(p, seq, h, tile0, 0));
             for (int i = threadIdx.x; i < n; i += PREPROCESS_THREADS) span[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
@@ -122,13 +129,13 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
 }
 
 // grid (ceil(seqlen_q / 16), nheads, batch), up to DQ_CONVERT_THREADS threads: one strip of
-// 16 rows. LaneMajor (the Hopper pass's tiles): a thread takes lane L = 4 r + q of tile ct,
+// 16 rows. DQ_LANES (the Hopper pass's tiles): a thread takes lane L = 4 r + q of tile ct,
 // one 16-byte load holding rows r and r + 8 at columns 8 ct + 2 q and + 1, consecutive
 // threads consecutive column pairs of a row (whole 128-byte lines out), and stores each pair
-// as one 32-bit word where rows are aligned. Else (mma order) through 16 x (dq_accum_cols + 1)
-// floats of shared memory: the strip read in tile order, written row by row. Seq: the rows'
-// layout.
-template <typename Elem, bool LaneMajor, int Seq = SEQ_DENSE>
+// as one 32-bit word where rows are aligned. Else (mma order, DQ_STRIPS) through 16 x
+// (dq_accum_cols + 1) floats of shared memory: the strip read in tile order, written row by
+// row. Seq: the rows' layout.
+template <typename Elem, int Layout, int Seq = SEQ_DENSE>
 __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p, const int* dq_done,
                                                                              int dq_done_target) {
     extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
@@ -138,18 +145,28 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     const int cols = p.dq_accum_cols, ld = cols + 1;
     const float* src = dq_tile_lane(p, seq, h, blockIdx.x, 0);
     const float scale = static_cast<float>(p.scale);
-    if constexpr (LaneMajor) {
-        // With dq_done, launched as the Hopper pass's programmatic dependent, the kernel may
-        // start beside that pass's last blocks: it waits until dq_done_target dK/dV blocks of
-        // its (batch, kv head) have finished, and with them every add into its rows.
-        if (dq_done != nullptr) {
-            if (threadIdx.x == 0) {
-                const int* done = dq_done + blockIdx.z * p.nheads_k + h / p.group;
-                while (ld_acquire(done) < dq_done_target) {
-                }
+    // With dq_done, launched as the Hopper pass's programmatic dependent, the kernel may start
+    // beside that pass's last blocks: it waits until dq_done_target dK/dV blocks of its
+    // (batch, kv head) have finished, and with them every add into its rows.
+    if (Layout != DQ_MMA && dq_done != nullptr) {
+        if (threadIdx.x == 0) {
+            const int* done = dq_done + blockIdx.z * p.nheads_k + h / p.group;
+            while (ld_acquire(done) < dq_done_target) {
             }
-            __syncthreads();
         }
+        __syncthreads();
+    }
+    // Columns c and c + 1 (if the head dim has it) of row `row`, one 32-bit word where aligned.
+    auto store_pair = [&](int row, int c, float a, float b) {
+        u16* dst = seq.template q_row<u16>(p.dq, h, row) + c;
+        if (p.vec_ok && c + 1 < p.headdim) {
+            *reinterpret_cast<u32*>(dst) = pack2<Elem>(a, b);
+        } else {
+            ElemTraits<Elem>::store(dst, a);
+            if (c + 1 < p.headdim) ElemTraits<Elem>::store(dst + 1, b);
+        }
+    };
+    if constexpr (Layout == DQ_LANES) {
         const int tiles = cols / 8;
         for (int i = threadIdx.x; i < 8 * tiles * 4; i += blockDim.x) {
             const int q = i % 4, ct = i / 4 % tiles, r = i / (4 * tiles), c = ct * 8 + 2 * q;
@@ -159,15 +176,31 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int row = row0 + r + 8 * hf;
-                if (row >= seq.seqlen_q()) continue;
-                u16* dst = seq.template q_row<u16>(p.dq, h, row) + c;
-                if (p.vec_ok && c + 1 < p.headdim) {
-                    *reinterpret_cast<u32*>(dst) = pack2<Elem>(pair[hf][0], pair[hf][1]);
-                } else {
-                    ElemTraits<Elem>::store(dst, pair[hf][0]);
-                    if (c + 1 < p.headdim) ElemTraits<Elem>::store(dst + 1, pair[hf][1]);
-                }
+                if (row < seq.seqlen_q()) store_pair(row, c, pair[hf][0], pair[hf][1]);
             }
+        }
+        return;
+    }
+    if constexpr (Layout == DQ_STRIPS) {
+        // Lane L's 16 bytes of a block's half: queries 2t and 2t + 1 (t = L % 4) of columns
+        // L / 4 and L / 4 + 8; the strips' blocks of this tile are p.dq_accum_rows * 16 floats
+        // apart.
+        const float* block0 = p.dq_accum + accum_strip_block(seq, h, blockIdx.x, 0);
+        for (int i = threadIdx.x; i < 4 * cols; i += blockDim.x) {
+            const int lane = i % 32, half = i / 32 % 2, block = i / 64;
+            const float4 x = *reinterpret_cast<const float4*>(
+                block0 + static_cast<index_t>(block) * p.dq_accum_rows * 16 + (half * 32 + lane) * 4);
+            const int r = half * 8 + lane % 4 * 2, c = block * 16 + lane / 4;
+            strip[r * ld + c] = x.x;
+            strip[(r + 1) * ld + c] = x.y;
+            strip[r * ld + c + 8] = x.z;
+            strip[(r + 1) * ld + c + 8] = x.w;
+        }
+        __syncthreads();
+        for (int j = threadIdx.x; j < 8 * cols; j += blockDim.x) {   // column pairs, row by row
+            const int r = j / (cols / 2), c = 2 * (j % (cols / 2));
+            if (row0 + r < seq.seqlen_q() && c < p.headdim)
+                store_pair(row0 + r, c, strip[r * ld + c] * scale, strip[r * ld + c + 1] * scale);
         }
         return;
     }

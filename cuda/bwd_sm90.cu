@@ -21,6 +21,10 @@
 // warpgroup's) at d = 128, for the warpgroup's 64 of the 128 queries x the whole head dim at
 // d = 64. A step's dQ is staged at its end and pushed to the buffer in the next step, once
 // that step's S^T and dP^T are issued: the fence and the add then wait under its products.
+// At d = 128 without a band (_launch.sm90_bwd_rows), steps of 80 queries: S^T and dP^T by
+// m64n80, dS stored with queries as rows (stmatrix.trans), and dQ^T = K^T dS^T for the
+// warpgroup's 64 columns x 80 queries, each warp's 16 columns one span of the buffer in
+// column strips (bwd.cu's DQ_STRIPS).
 // flash_bwd_sm90_wide_kernel (head dim 256): see there.
 // A user score_mod (both kernels): P^T and dS^T element by element from the raw S^T once
 // dP^T is in (user_probs_t); its arrays' gradients are added up in shared memory after the
@@ -320,25 +324,34 @@ __device__ __forceinline__ index_t dq_order_at(const BwdParams& p, int b, int h,
     return (static_cast<index_t>(b) * p.nheads + h) * ((p.seqlen_q + 63) / 64) + m;
 }
 
-template <typename Elem, int HeadDim, typename V>
+template <typename Elem, int HeadDim, int Br, typename V>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
-    // Br: queries per step. At d = 64, 128 (S^T and dP^T by m64n128: fewer shared-memory bytes
-    // per FLOP, half the steps); at 128, S^T and dP^T of 128 queries would not fit beside dK
-    // and dV. QSplit (Br = 128): each warpgroup's dQ is 64 of the queries x the whole head dim,
-    // else all 64 queries x half the head dim.
-    constexpr int Bc = 128, Br = HeadDim == 64 ? 128 : 64, Stages = 2, Consumers = 256;
-    constexpr bool QSplit = Br == 128;
+    // Br: queries per step (_launch.sm90_bwd_rows). At d = 64, 128 (S^T and dP^T by m64n128:
+    // fewer shared-memory bytes per FLOP, half the steps); at 128, S^T and dP^T of 128 queries
+    // would not fit beside dK and dV, so 64, or 80 (DqT) where nothing else needs the
+    // registers: m64n80 products read 12% fewer shared-memory bytes per FLOP than m64n64, but
+    // 80 queries are not a multiple of wgmma's 64 rows, so dQ is made transposed, dQ^T = K^T
+    // dS^T for the warpgroup's 64 columns x 80 queries, with dS stored back untransposed.
+    // QSplit (Br = 128): each warpgroup's dQ is 64 of the queries x the whole head dim, else
+    // all the queries x half the head dim.
+    constexpr int Bc = 128, Stages = 2, Consumers = 256;
+    constexpr bool QSplit = Br == 128, DqT = Br == 80;
     constexpr int Halves = HeadDim / 64, Sub = 64 * 64, QChunk = Br * 64, NT = Br / 8, DT = HeadDim / 8;
     constexpr int DQ_N = QSplit ? HeadDim : HeadDim / 2;   // the warpgroup's dQ columns
-    static_assert(HeadDim == 64 || HeadDim == 128, "the dK and dV accumulators fit the registers up to 128");
+    // A warp's dQ stage (floats): 16 rows x DQ_N, or DqT 16 columns x Br queries, n8 tiles of
+    // 8 queries pairing into the 16 x 16 blocks of the buffer's strips (bwd.cu's DQ_STRIPS).
+    constexpr int STAGE = 16 * (DqT ? Br : DQ_N);
+    static_assert(HeadDim == 64 ? Br == 128 : HeadDim == 128 && (Br == 64 || Br == 80),
+                  "the dK and dV accumulators fit the registers up to 128");
     static_assert(!V::Dropout, "dropout runs the generic backward");
     const BwdParams& p = tp.base;
 
     // K and V (two warpgroups x Halves sub-tiles of 64 rows), Stages buffers of Q and of dO
     // (Halves chunks of Br rows x 64), two steps' dS^T (128 keys x Br queries: sub-tiles of 64
-    // x 64, the keys' halves of each 64 queries together), then each consumer warp's fp32 dQ
-    // stage (16 rows x DQ_N in the buffer's tile order); 1024-byte aligned.
+    // x 64, the keys' halves of each 64 queries together; DqT dS, two sub-tiles of Br queries
+    // x 64 keys, one per warpgroup), then each consumer warp's fp32 dQ stage (STAGE floats in
+    // the buffer's tile order); 1024-byte aligned.
     extern __shared__ unsigned char smem_raw[];
     __shared__ BwdSm90Barriers<Stages> bar;
     __shared__ float2 sstat[Stages][Br];   // (lse in log2 units, D) of each stage's rows
@@ -379,7 +392,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     const int key_w = 64 * wg + 16 * wq;   // the warp's first key in the block
     const u16* myK = sK + wg * Halves * Sub;
     const u16* myV = sV + wg * Halves * Sub;
-    float* mydQ = sdQ + warp * 16 * DQ_N;
+    float* mydQ = sdQ + warp * STAGE;
     // The warpgroup's dQ: its 64 queries (QSplit), or its columns, a 64-wide chunk of K at
     // d = 128.
     const int dq_q = QSplit ? wg : 0, dq_chunk = QSplit ? 0 : wg;
@@ -396,9 +409,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // faster at d = 128.)
     float *stage = nullptr, *gdq = nullptr;
     int* order = nullptr;
-    const int dq_valid = min(DQ_N / 8, p.dq_accum_cols / 8 - dq_chunk * DQ_N / 8);
+    // The stage's tiles that the buffer has (the bucket's columns; DqT also the 16-row
+    // blocks that begin before seqlen_q).
+    int dq_valid = min(DQ_N / 8, p.dq_accum_cols / 8 - dq_chunk * DQ_N / 8);
     auto push_dq = [&]() {
-        if (order) dq_turn_wait(order, n_tile);
+        if (order) dq_turn_wait(order, n_tile);   // never DqT (_launch.sm90_bwd_rows)
         push_dq_rows(gdq, stage, dq_valid, lane);
         if (order) dq_turn_end(order, lane);
     };
@@ -436,10 +451,20 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
             const u32 lo = pack2<Elem>(ds[0], ds[1]), hi = pack2<Elem>(ds[2], ds[3]);
             dsa[nt / 2][2 * (nt % 2)] = lo;
             dsa[nt / 2][2 * (nt % 2) + 1] = hi;
-            const int r = 64 * wg + 16 * wq + lane / 4, c = nt % 8 * 8 + 2 * t;
-            const u32 tile = dSt_s + nt / 8 * 2 * 2 * Sub;   // the 64 queries' two sub-tiles
-            st_shared(tile + 2 * swizzled_offset<64>(r, c), lo);
-            st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), hi);
+            if constexpr (DqT) {
+                // Each pair of n8 tiles as four 8 x 8 matrices (dsa[nt / 2]: keys 0-7 and 8-15
+                // of tile nt - 1, then of tile nt), stored transposed into the warpgroup's
+                // sub-tile: queries as rows, the warp's 16 keys along them.
+                if (nt % 2 == 1) {
+                    const int i = lane / 8, q = 8 * (nt - 1 + i / 2) + lane % 8, key = 16 * wq + 8 * (i % 2);
+                    stmatrix_x4_trans(dSt_s + 2 * (wg * Br * 64 + swizzled_offset<Br>(q, key)), dsa[nt / 2]);
+                }
+            } else {
+                const int r = 64 * wg + 16 * wq + lane / 4, c = nt % 8 * 8 + 2 * t;
+                const u32 tile = dSt_s + nt / 8 * 2 * 2 * Sub;   // the 64 queries' two sub-tiles
+                st_shared(tile + 2 * swizzled_offset<64>(r, c), lo);
+                st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), hi);
+            }
         };
         // Tile by tile once both products are in, each tile's accumulators dying as its fragments
         // are made (at d = 64, 128 queries, P^T made while dP^T ran, beside both accumulators,
@@ -447,7 +472,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         // fragments are made, so that the tensor cores do not wait for the whole tile's.
         wgmma_wait<1>();
         wgmma_fence_operands(st_flat);
-        constexpr int Parts = 4, PT = NT / Parts;   // n8 tiles per part
+        constexpr int Parts = DqT ? 5 : 4, PT = NT / Parts;   // n8 tiles per part
 #pragma unroll
         for (int part = 0; part < Parts; ++part) {
             const int nt0 = PT * part;
@@ -500,17 +525,22 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         }
         // dQ (64 queries x DQ_N columns) += dS K over all 128 keys of the block, once both
         // warpgroups' dS^T tiles are in shared memory: half the fp32 traffic of each warpgroup
-        // adding its own keys' share over the whole head dim.
+        // adding its own keys' share over the whole head dim. DqT: dQ^T (the warpgroup's 64
+        // columns x Br queries) = K^T dS^T.
         fence_proxy_async();
         named_bar_sync(6, Consumers);
-        float dq[DQ_N / 2];
+        float dq[DqT ? Br / 2 : DQ_N / 2];
         wgmma_fence();
 #pragma unroll
         for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + (2 * dq_q + kh) * Sub, 2048 * kk),
-                                  sw128_desc(sK + (kh * Halves + dq_chunk) * Sub, 2048 * kk), kh + kk > 0);
+            for (int kk = 0; kk < 4; ++kk) {
+                const auto k_desc = sw128_desc(sK + (kh * Halves + dq_chunk) * Sub, 2048 * kk);
+                if constexpr (DqT)
+                    wgmma_ss_tn<Elem>(dq, k_desc, sw128_desc(dSt + kh * Br * 64, 32 * kk), kh + kk > 0);
+                else
+                    wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + (2 * dq_q + kh) * Sub, 2048 * kk), k_desc, kh + kk > 0);
+            }
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(dq);
@@ -521,9 +551,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         // its products (push_dq): the warpgroup's columns, those of them the buffer has (the
         // bucket's: 96 in the 128 kernel, 32 in the 64 one).
         stage = mydQ;
-        gdq = dq_tile(p, seq, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);
-        order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
-        stage_dq_rows<DQ_N / 8, 0>(stage, dq, lane);
+        if constexpr (DqT) {
+            const int col = dq_chunk * DQ_N + 16 * wq;
+            gdq = p.dq_accum + accum_strip_block(seq, h, m0 / 16, col / 16);
+            dq_valid = col < p.dq_accum_cols ? 2 * min(Br / 16, (seq.seqlen_q() - m0 + 15) / 16) : 0;
+        } else {
+            gdq = dq_tile(p, seq, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);
+            order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
+        }
+        stage_dq_rows<DqT ? Br / 8 : DQ_N / 8, 0>(stage, dq, lane);
     }
     if (g > 0) push_dq();
     if (lane == 0) bulk_wait<0>();

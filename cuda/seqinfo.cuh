@@ -118,10 +118,12 @@ struct SeqInfo {
         return (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + row;
     }
     // Tile `tile` (query rows 16 tile ..) of head h in the fp32 dQ buffer, of p.dq_accum_rows
-    // rows per (batch, head).
+    // rows per (batch, head); the same as tile accum_slab_tile(tile) of slab accum_slab(h).
     __device__ __forceinline__ index_t accum_tile(int h, int tile) const {
         return (static_cast<index_t>(b) * p.nheads + h) * (p.dq_accum_rows / 16) + tile;
     }
+    __device__ __forceinline__ index_t accum_slab(int h) const { return static_cast<index_t>(b) * p.nheads + h; }
+    __device__ __forceinline__ int accum_slab_tile(int tile) const { return tile; }
     // The row and batch coordinates of query row `row` (key row) in the Hopper kernels' tensor
     // maps (head dim, heads, rows, batch).
     __device__ __forceinline__ int q_map_row(int row) const { return row; }
@@ -158,10 +160,14 @@ struct SeqInfo<Params, SEQ_PACKED> {
         return static_cast<index_t>(h) * p.varlen.total_q + rows.q0() + row;
     }
     // The buffer is (nheads, p.dq_accum_rows), sequence b's slice from row (q0 / ACCUM_ALIGN + b)
-    // ACCUM_ALIGN: past the previous sequence's last whole tile.
+    // ACCUM_ALIGN: past the previous sequence's last whole tile. A head's rows are its slab.
     __device__ __forceinline__ index_t accum_tile(int h, int tile) const {
         const index_t first = (static_cast<index_t>(rows.q0() / ACCUM_ALIGN) + b) * (ACCUM_ALIGN / 16);
         return static_cast<index_t>(h) * (p.dq_accum_rows / 16) + first + tile;
+    }
+    __device__ __forceinline__ index_t accum_slab(int h) const { return h; }
+    __device__ __forceinline__ int accum_slab_tile(int tile) const {
+        return (rows.q0() / ACCUM_ALIGN + b) * (ACCUM_ALIGN / 16) + tile;
     }
     __device__ __forceinline__ int q_map_row(int row) const { return rows.q0() + row; }
     __device__ __forceinline__ int k_map_row(int row) const { return rows.k0() + row; }
@@ -170,6 +176,17 @@ struct SeqInfo<Params, SEQ_PACKED> {
     __device__ __forceinline__ bool q_rows_own(int row0, int n) const { return row0 + n <= rows.sq(); }
     __device__ __forceinline__ bool k_rows_own(int row0, int n) const { return row0 + n <= rows.sk(); }
 };
+
+// The fp32 dQ buffer in column strips (bwd.cu's DQ_STRIPS, for the 80-query Hopper pass): each
+// slab of p.dq_accum_rows rows (a (batch, head), or a head of a packed batch) as strips of 16
+// columns, each strip the 16 x 16 blocks of its 16-row tiles one after another, so that 16
+// columns of a run of tiles are one span. The float offset of tile `tile`'s block in strip
+// `strip` (strips of a slab are dq_accum_rows * 16 floats apart).
+template <typename Seq>
+__device__ __forceinline__ index_t accum_strip_block(const Seq& seq, int h, int tile, int strip) {
+    return ((seq.accum_slab(h) * (seq.p.dq_accum_cols / 16) + strip) * (seq.p.dq_accum_rows / 16) +
+            seq.accum_slab_tile(tile)) * 256;
+}
 
 // A KV cache's entry: dense queries, keys at rows of the entry's cache slice or pages.
 template <typename Params, bool Paged>

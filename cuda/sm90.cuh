@@ -257,6 +257,12 @@ template <typename Elem, int D>
 __device__ __forceinline__ void wgmma_ss_tt(float (&d)[D], unsigned long long a, unsigned long long b,
                                             bool accumulate);
 CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss_tt, 32, 64, "32", "33", "34", "1, 1")
+// d[40] (+)= A B with A (64 x 16) MN-major, as for wgmma_ss_tt, and B (16 x 80) K-major, as for
+// wgmma_ss: dQ^T = K^T dS^T from K's tile and dS stored with the keys along its rows.
+template <typename Elem, int D>
+__device__ __forceinline__ void wgmma_ss_tn(float (&d)[D], unsigned long long a, unsigned long long b,
+                                            bool accumulate);
+CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss_tn, 40, 80, "40", "41", "42", "1, 0")
 // d[64] (+)= A B with A (64 x 16) K-major in shared memory, as for wgmma_ss, and B (16 x 128)
 // MN-major, as for wgmma_rs: P^T dO and dS^T Q from shared memory, for a warpgroup that holds
 // neither operand in registers.

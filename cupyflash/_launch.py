@@ -69,6 +69,9 @@ LAUNCH_GROUP_WAVES = 8
 
 # Threads of bwd_convert_dq_kernel (up to its launch bound, 256: its loops stride by blockDim).
 DQ_CONVERT_THREADS = 256
+# cuda/bwd.cu's DqLayout, the fp32 dQ buffer's order: the generic passes' (tiles in mma order),
+# the Hopper pass's (lane-major tiles), its 80-query kernel's (column strips).
+DQ_MMA, DQ_LANES, DQ_STRIPS = 0, 1, 2
 # cuda/bwd.cu's bwd_preprocess_kernel: rows and threads per block.
 PREPROCESS_ROWS, PREPROCESS_THREADS = 64, 256
 
@@ -792,10 +795,19 @@ def sm90_bwd_keys(hd):
     return 64 if hd == 256 else SM90_BWD_KEYS
 
 
-def sm90_bwd_rows(hd):
+def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False):
     """Query rows per step of the Hopper backward: 128 at head dim 64 (S^T and dP^T by wgmma
-    with 128 queries), 64 above (dK and dV take the registers)."""
-    return 128 if hd == 64 else 64
+    with 128 queries); at 128 (dK and dV take 128 registers) 80 for calls without a band,
+    block mask, user mods or deterministic order (fewer shared-memory bytes per FLOP; dQ made
+    transposed, cuda/bwd_sm90.cu), else 64; 64 at 256 (the wide kernel). Packed batches with
+    ALiBi keep 64: at 80, ptxas serialized their wgmma for want of registers. Without
+    ``spec``: the rows of calls that cannot take 80."""
+    if hd == 64:
+        return 128
+    wide_rows = (hd == 128 and spec is not None and spec.window == _spec.NO_WINDOW and block_mask is None
+                 and not deterministic and not (spec.score_mod or spec.mask_mod)
+                 and not (spec.alibi and spec.varlen))
+    return 80 if wide_rows else 64
 
 
 def _hopper_allowed():
@@ -862,15 +874,16 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
     b, sq, sk = _dims(q, k, packed)
     h, hk = q.shape[2], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
-    keys, rows = sm90_bwd_keys(hd), sm90_bwd_rows(hd)
+    keys, rows = sm90_bwd_keys(hd), sm90_bwd_rows(hd, spec, block_mask, deterministic)
     if block_mask is not None:
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=False, q=True)
     _check_lists(p, "q_blocks", keys, rows)
     # K, V, two stages of Q and dO (`rows` rows); keys x rows tiles of dS^T (two steps') or 64
     # x 64 of P^T and dS^T (wide); eight warps' fp32 dQ stages (16 rows x the warpgroup's dQ
-    # columns: hd at 128 rows, else hd / 2; none wide, whose stages are in Q and dO's tiles);
-    # 1 KB to align; then a user score_mod's staged gradients.
-    dq_cols = 0 if hd == 256 else hd if rows == 128 else hd // 2
+    # columns: hd at 128 rows, else hd / 2; 16 columns x 80 queries at 80 rows; none wide,
+    # whose stages are in Q and dO's tiles); 1 KB to align; then a user score_mod's staged
+    # gradients.
+    dq_cols = 0 if hd == 256 else hd if rows == 128 else rows if rows == 80 else hd // 2
     smem = (2 * keys + 4 * rows) * hd * 2 + 2 * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
     smem += _stage_grads(p["user"], user_grads, smem, _smem_limit() - SM90_BWD_STATIC_SMEM)
     tp = np.zeros((), BWD_SM90_PARAMS)
@@ -885,7 +898,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, pa
         tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
     name = (template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
             if hd == 256 else
-            template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant()))
+            template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, rows, spec.variant()))
     _launch("bwd_sm90.cu", name, grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods)
     return tiles
 
@@ -1015,21 +1028,27 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     if overlap:
         counts = empty(b * hk, np.int32)
         done = np.uint64(counts.data.ptr)
+    step = sm90_bwd_rows(sm90_bwd_headdim(hd), spec, block_mask, deterministic) if hopper else 0
+    strips = dq_accum is not None and step == 80   # the buffer in cuda/bwd.cu's DQ_STRIPS
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
-            (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done))
+            (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))
     if deterministic and (dq_accum is not None) != hopper:
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
     if dq_accum is not None and hopper:
-        step = sm90_bwd_rows(sm90_bwd_headdim(hd))
-        if dq_accum.shape != dq_accum_shape(q.shape, packed) or dq_accum.shape[2] % step or dq_accum.shape[3] != hd:
+        # The 80-row kernel clips its adds to the 16-row tiles that hold rows; the others add
+        # whole steps.
+        if (dq_accum.shape != dq_accum_shape(q.shape, packed) or dq_accum.shape[2] % (16 if step == 80 else step)
+                or dq_accum.shape[3] != hd):
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
         tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads,
                                done)
         # At 16K tokens x 2048 it reads 128 MiB (~60 us on the H200, 4% of a d=128 2K
-        # backward), and the pass's last wave leaves SMs idle.
-        _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, True, *varlen), (_config.cdiv(sq, 16), h, b),
-                DQ_CONVERT_THREADS, 0, (p[()], done, np.int32(tiles)), dependent=overlap)
+        # backward), and the pass's last wave leaves SMs idle. The 80-row pass's column strips
+        # are read through 16 rows of shared memory.
+        layout, strip = (DQ_STRIPS, 16 * (hd + 1) * 4) if strips else (DQ_LANES, 0)
+        _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, layout, *varlen), (_config.cdiv(sq, 16), h, b),
+                DQ_CONVERT_THREADS, strip, (p[()], done, np.int32(tiles)), dependent=overlap)
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
@@ -1064,7 +1083,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
             _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sq, t.br), h, b, causal), 32 * t.warps,
                     smem, p[()], spec.user_mods)
         else:
-            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, False, *varlen),
+            _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, DQ_MMA, *varlen),
                     (_config.cdiv(sq, 16), h, b), DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4,
                     (p[()], done, np.int32(0)))
     else:
@@ -1220,8 +1239,9 @@ def kernel_names(smem_limit, hopper=False):
             for spec in (dataclasses.replace(s, headdim=hd) for s in variants if not s.dropout)
             for tile in sorted({sm90_fwd_tile(spec, None)} | ({sm90_fwd_tile(spec, "mask")} if not spec.varlen else set()))]
         names["bwd_sm90.cu"] = [
-            template_name("flash_bwd_sm90_kernel", ELEM[d], hd, spec.variant())
-            for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout] + [
+            template_name("flash_bwd_sm90_kernel", ELEM[d], hd, rows, spec.variant())
+            for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout
+            for rows in sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, dataclasses.replace(spec, headdim=hd))})] + [
             template_name("flash_bwd_sm90_wide_kernel", ELEM[d], spec.variant())
             for d in TENSOR_CORE for spec in variants if not spec.dropout]
     # The decode kernels: every band with softcap and ALiBi (no dropout), both cache layouts.
@@ -1235,9 +1255,8 @@ def kernel_names(smem_limit, hopper=False):
     for elem in ELEM.values():
         names["bwd.cu"] += [template_name("bwd_preprocess_kernel", elem, *seq) for seq in ((), (_spec.SEQ_PACKED,))]
     for elem in (ELEM[d] for d in TENSOR_CORE):
-        names["bwd.cu"] += [template_name("bwd_convert_dq_kernel", elem, hopper) for hopper in (False, True)]
-        names["bwd.cu"] += [template_name("bwd_convert_dq_kernel", elem, hopper, _spec.SEQ_PACKED)
-                            for hopper in (False, True)]
+        names["bwd.cu"] += [template_name("bwd_convert_dq_kernel", elem, layout, *seq)
+                            for layout in (DQ_MMA, DQ_LANES, DQ_STRIPS) for seq in ((), (_spec.SEQ_PACKED,))]
     every = [(bq, bk) for bq in _config.MASK_BLOCK_SIZES for bk in _config.MASK_BLOCK_SIZES]
     dense = [(_config.MAX_BLOCK, _config.MAX_BLOCK)]   # the tiles of dense calls
     # Every band with every score modifier (softcap, ALiBi, both) and with dropout (alone: not

@@ -185,7 +185,7 @@ def _user_mod_names(score, mask, arch):
                 *_launch.sm90_fwd_tile(dataclasses.replace(spec, headdim=hd), "mask" if mask else None)))
             names["bwd_sm90.cu"].append(
                 template_name("flash_bwd_sm90_wide_kernel", "fp16", variant) if hd == 256 else
-                template_name("flash_bwd_sm90_kernel", "fp16", hd, variant))
+                template_name("flash_bwd_sm90_kernel", "fp16", hd, _launch.sm90_bwd_rows(hd), variant))
     return text, names
 
 

@@ -371,6 +371,11 @@ SM90_BWD_CASES = SM90_CASES + [
     (2, 200, 129, 4, 2, 256, dict(causal=True, softcap=4.0)),
     (1, 400, 300, 4, 2, 64, dict(block_mask="sliding")),
     (1, 260, 300, 2, 2, 64, dict(softcap=3.0, window_size=(64, 0))),
+    # 80-query steps (no band): the last step's 16-row blocks past seqlen_q not added, bucket
+    # 96's columns (half of the second warpgroup's) clipped, one whole step, modifiers.
+    (1, 250, 300, 4, 2, 96, {}),
+    (1, 80, 200, 3, 1, 128, dict(alibi=True)),
+    (2, 161, 129, 2, 2, 120, dict(softcap=5.0, alibi=True)),
 ]
 
 
@@ -419,6 +424,24 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     mask = cf.masks.sliding_window(256, 256, 1, block_size=(64, 128))
     spec = _spec.CallSpec.of(q, causal=False, block_mask=mask)
     assert _launch.bwd_family(spec, mask, q, k, v) == family
+
+
+@pytest.mark.parametrize("d, kw, rows", [
+    (128, {}, 80), (96, dict(softcap=5.0, alibi_slopes=np.ones(2)), 80), (64, {}, 128), (256, {}, 64),
+    (128, dict(causal=True), 64), (128, dict(window_size=(100, 0)), 64), (128, dict(block_mask=True), 64),
+    (128, dict(deterministic=True), 64), (128, dict(score_mod=True), 64),
+    (128, dict(alibi_slopes=np.ones(2), seq=_spec.SEQ_PACKED), 64), (128, dict(seq=_spec.SEQ_PACKED), 80)])
+def test_the_hopper_backward_steps_80_queries_at_d128_without_a_band(d, kw, rows):
+    """m64n80 products where nothing else needs the registers or 64-row steps (a band's
+    diagonal blocks, a block mask's lists, the deterministic counters, a user mod's staged
+    gradients)."""
+    q = np.zeros((1, 256, 2, d), np.float16)
+    mask = cf.masks.sliding_window(256, 256, 1, block_size=128) if kw.pop("block_mask", False) else None
+    deterministic = kw.pop("deterministic", False)
+    score_mod = object() if kw.pop("score_mod", False) else None   # any: the spec asks only whether
+    spec = _spec.CallSpec.of(q, causal=kw.pop("causal", False), block_mask=mask, score_mod=score_mod, **kw)
+    hd = _launch.sm90_bwd_headdim(spec.headdim)
+    assert _launch.sm90_bwd_rows(hd, spec, mask, deterministic) == rows
 
 
 @pytest.mark.parametrize("d, kw, overlaps", [
