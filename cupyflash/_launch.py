@@ -207,12 +207,15 @@ def _attribute_of(device_id, name):
     return cupy.cuda.Device(device_id).attributes[name]
 
 
-@functools.lru_cache(maxsize=None)
+@_compile._once_per_key
 def _kernel(source, name, device_id, smem, arch=None):
     """The kernel with its dynamic shared-memory limit raised once (above 48 KB a kernel
     must opt in), not on every launch. Keyed by the source text itself, as _compile's modules
     are: another text under the same file name is another kernel. ``arch``: compiled for that
-    target (an arch-specific one, _compile.ARCH_SPECIFIC), not the device's own."""
+    target (an arch-specific one, _compile.ARCH_SPECIFIC), not the device's own. Once per key
+    under concurrency: threads that first launched a kernel together held two objects of it,
+    and a launch plan recorded with one differed from a fresh preparation holding the other
+    (tests/test_distributed.py's ring of threads)."""
     import cupy
     _arrays.refuse_in_capture(cupy, f"the first call of {name} compiles and loads it")
     if arch:
@@ -257,7 +260,8 @@ def _user_tile(pass_, spec, smem_limit, limits, deterministic, name_of, device_i
             if t.spills_with.intersection(others):
                 continue
             filename, name, smem = name_of(t)
-            kernel = _kernel(_compile.source(filename, spec.user_mods), name, device_id, smem)
+            kernel = _kernel(_compile.source(filename, spec.user_mods), name, device_id, smem,
+                             _compile.ARCH_SPECIFIC.get(filename))
             if kernel.attributes["local_size_bytes"] == 0:
                 chosen = t
                 break
