@@ -132,9 +132,9 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
 // 16 rows. DQ_LANES (the Hopper pass's tiles): a thread takes lane L = 4 r + q of tile ct,
 // one 16-byte load holding rows r and r + 8 at columns 8 ct + 2 q and + 1, consecutive
 // threads consecutive column pairs of a row (whole 128-byte lines out), and stores each pair
-// as one 32-bit word where rows are aligned. Else (mma order, DQ_STRIPS) through 16 x
-// (dq_accum_cols + 1) floats of shared memory: the strip read in tile order, written row by
-// row. Seq: the rows' layout.
+// as one 32-bit word where rows are aligned. Else through 16 x (dq_accum_cols + 1) floats of
+// shared memory: the strip read in tile order (DQ_STRIPS: each strip's block, 16 bytes a
+// thread), written row by row (DQ_STRIPS: column pairs). Seq: the rows' layout.
 template <typename Elem, int Layout, int Seq = SEQ_DENSE>
 __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p, const int* dq_done,
                                                                              int dq_done_target) {
