@@ -118,7 +118,8 @@ struct SeqInfo {
         return (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + row;
     }
     // Tile `tile` (query rows 16 tile ..) of head h in the fp32 dQ buffer, of p.dq_accum_rows
-    // rows per (batch, head); the same as tile accum_slab_tile(tile) of slab accum_slab(h).
+    // rows per (batch, head); the same as tile accum_slab_tile(tile) of slab accum_slab(h)
+    // (accum_tile written through those two changed the code of the kernels that use it).
     __device__ __forceinline__ index_t accum_tile(int h, int tile) const {
         return (static_cast<index_t>(b) * p.nheads + h) * (p.dq_accum_rows / 16) + tile;
     }

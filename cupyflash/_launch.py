@@ -871,14 +871,15 @@ def _row_map(x, dtype, rows):
 SM90_BWD_STATIC_SMEM = 4096
 
 
-def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed=None,
+def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, rows, packed=None,
                    user_grads=None, done=0):
-    """Launch the Hopper dK/dV pass; ``done``: where its blocks count themselves finished per
-    (batch, kv head), or 0. Returns its blocks per (batch, kv head) (key tiles)."""
+    """Launch the Hopper dK/dV pass of ``rows`` queries per step (``sm90_bwd_rows``); ``done``:
+    where its blocks count themselves finished per (batch, kv head), or 0. Returns its blocks
+    per (batch, kv head) (key tiles)."""
     b, sq, sk = _dims(q, k, packed)
     h, hk = q.shape[2], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
-    keys, rows = sm90_bwd_keys(hd), sm90_bwd_rows(hd, spec, block_mask, deterministic)
+    keys = sm90_bwd_keys(hd)
     if block_mask is not None:
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=False, q=True)
     _check_lists(p, "q_blocks", keys, rows)
@@ -1045,8 +1046,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
                 or dq_accum.shape[3] != hd):
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
-        tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, packed, user_grads,
-                               done)
+        tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, step, packed,
+                               user_grads, done)
         # At 16K tokens x 2048 it reads 128 MiB (~60 us on the H200, 4% of a d=128 2K
         # backward), and the pass's last wave leaves SMs idle. The 80-row pass's column strips
         # are read through 16 rows of shared memory.

@@ -120,3 +120,25 @@ def test_readme_host_time_figures_are_the_cited_runs():
         median = {(r["case"], r["launch"]): r["median_us"] for r in rows if "median_us" in r}
         for case in wanted:
             assert pairs.pop(0) == (round(median[case, "fresh"]), round(median[case, "planned"])), case
+
+
+def test_readme_80_query_step_gains_are_the_cited_runs():
+    """The Hopper section's gains of the 80-query backward step over 64-query steps: the mean
+    of each tree's reps in the A/B JSONs it names."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Against 64-query steps (the mean of each tree's reps")
+    section = text[start:text.index("At 256 (buckets", start)]
+    final, variants = re.findall(r"`(benchmarks/results/[^`]+\.json)`", section)
+
+    def gains(path):
+        rows = json.loads((ROOT / path).read_text())["rows"]
+        def mean(cell, tree):
+            xs = [r["tflops"] for r in rows if r["cell"] == cell and r["tree"] == tree and r["impl"] == "cupyflash"]
+            return sum(xs) / len(xs)
+        return {c: round(100 * (mean(c, "new") / mean(c, "base") - 1), 1) for c in {r["cell"] for r in rows}}
+
+    found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", section.split("with softcap")[0])}
+    assert found == {s // 1024: gains(final)[f"128:{s}:0:bwd"] for s in (2048, 4096, 8192, 16384)}
+    rule = {name: float(g) for name, g in re.findall(r"with\s+(softcap|ALiBi)\s+([-+][\d.]+)%", section)}
+    assert rule == {"softcap": gains(variants)["128:8192:0:bwd:softcap"],
+                    "ALiBi": gains(variants)["128:8192:0:bwd:alibi"]}
