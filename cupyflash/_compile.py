@@ -128,10 +128,11 @@ def _cache_error(e):
 # Files whose kernels use Hopper's arch-specific instructions (wgmma, setmaxnreg): compiled
 # for sm_90a by NVRTC directly (CuPy's RawModule appends its own -arch=sm_90). The result is
 # kept in CuPy's cache directory in CuPy's file format (the hex SHA-1 of the rest, then the
-# rest: the kernel's lowered name, a NUL byte, the cubin), under a key of everything that
-# changes it; a file that fails the check is compiled again and rewritten, a read-only
+# rest: the kernel's lowered name, a NUL byte, "s" where ptxas serialized its wgmma or "-", the
+# cubin), under a key of everything that changes it (CUBIN_FORMAT: this layout's); a file that fails the check is compiled again and rewritten, a read-only
 # directory is used for reading, CUPY_CACHE_IN_MEMORY=1 keeps it off the disk, as CuPy's own.
 ARCH_SPECIFIC = {"fwd_sm90.cu": "sm_90a", "bwd_sm90.cu": "sm_90a"}
+CUBIN_FORMAT = "2"
 
 
 def _cache_dir():
@@ -158,30 +159,45 @@ def nvrtc_run(code, filename, names, arch, options=()):
         nvrtc.destroyProgram(prog)
 
 
+# ptxas still compiles a kernel whose wgmma it could not keep asynchronous (for want of
+# registers, or a register of an operand touched on a path it cannot prove uniform), and only
+# says so in its log (with NVRTC 13.0, in its verbose log only).
+WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
+
+
+def ptxas_log_options():
+    """NVRTC options for ptxas's verbose log: from 12.9 NVRTC may answer a compile it has seen
+    from its own cache, without any of ptxas's lines, unless told not to."""
+    from cupy_backends.cuda.libs import nvrtc
+    return ("--ptxas-options=-v",) + (("--no-cache",) if nvrtc.getVersion() >= (12, 9) else ())
+
+
 def _nvrtc_cubin(code, name, arch):
-    """(lowered name, cubin) of instantiation ``name`` of ``code`` for ``arch``."""
-    _, lowered, cubin = nvrtc_run(code, name.split("<")[0] + ".cu", (name,), arch)
-    return lowered[name], cubin
+    """(lowered name, cubin, whether ptxas serialized its wgmma) of instantiation ``name`` of
+    ``code`` for ``arch``."""
+    log, lowered, cubin = nvrtc_run(code, name.split("<")[0] + ".cu", (name,), arch, ptxas_log_options())
+    return lowered[name], cubin, WGMMA_SERIALIZED in log
 
 
-def _cached_cubin(code, name, arch):
+@_once_per_key
+def _arch_cubin(code, name, arch):
     import hashlib
     from cupy_backends.cuda.libs import nvrtc
     if os.environ.get("CUPY_CACHE_IN_MEMORY") == "1":
         return _nvrtc_cubin(code, name, arch)
-    key = hashlib.sha256("\0".join((code, name, arch, *NVRTC_OPTIONS,
-                                     str(nvrtc.getVersion()))).encode()).hexdigest()
+    key = hashlib.sha256("\0".join((code, name, arch, *NVRTC_OPTIONS, str(nvrtc.getVersion()),
+                                     CUBIN_FORMAT)).encode()).hexdigest()
     path = _cache_dir() / f"cupyflash_{arch}_{key}.cubin"
     try:
         data = path.read_bytes()
     except OSError:
         data = b""
     if data[:40] == hashlib.sha1(data[40:]).hexdigest().encode():
-        lowered, _, cubin = data[40:].partition(b"\0")
-        if cubin:
-            return lowered.decode(), cubin
-    lowered, cubin = _nvrtc_cubin(code, name, arch)
-    rest = lowered.encode() + b"\0" + cubin
+        lowered, _, rest = data[40:].partition(b"\0")
+        if rest[1:]:
+            return lowered.decode(), rest[1:], rest[:1] == b"s"
+    lowered, cubin, serialized = _nvrtc_cubin(code, name, arch)
+    rest = lowered.encode() + b"\0" + (b"s" if serialized else b"-") + cubin
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +208,13 @@ def _cached_cubin(code, name, arch):
         if error is None:
             raise
         raise error from e
-    return lowered, cubin
+    return lowered, cubin, serialized
+
+
+def wgmma_serialized(code, name, arch):
+    """Whether ptxas serialized the wgmma of kernel ``name`` of ``code`` for ``arch`` (compiling
+    it, or reading the cache): such a kernel runs, slower than it was written to."""
+    return _arch_cubin(code, name, arch)[2]
 
 
 @_once_per_key
@@ -200,7 +222,7 @@ def get_arch_kernel(device_id, code, name, arch):
     """Kernel ``name`` of ``code`` compiled for ``arch`` (a cupy.cuda.function.Function: launch
     it as a RawKernel; its attributes through the driver)."""
     import cupy
-    lowered, cubin = _cached_cubin(code, name, arch)
+    lowered, cubin, _ = _arch_cubin(code, name, arch)
     with cupy.cuda.Device(device_id):
         module = cupy.cuda.function.Module()
         module.load(cubin)
@@ -225,11 +247,8 @@ def nvrtc_compile(filename, names, arch, user_mods=""):
     parsed from ptxas's verbose log. Raises RuntimeError with the log if compiling fails, and
     where ptxas serialized a kernel's wgmma instructions.
     """
-    log, lowered, _ = nvrtc_run(source(filename, user_mods), filename, names, arch,
-                                ("--ptxas-options=-v",))
-    # ptxas still compiles a kernel whose wgmma it could not keep asynchronous (a register of
-    # an operand touched on a path it cannot prove uniform), and only says so in its log.
-    serialized = [line for line in log.splitlines() if "wgmma.mma_async instructions are serialized" in line]
+    log, lowered, _ = nvrtc_run(source(filename, user_mods), filename, names, arch, ptxas_log_options())
+    serialized = [line for line in log.splitlines() if WGMMA_SERIALIZED in line]
     if serialized:
         raise RuntimeError(f"{filename} for {arch}: ptxas serialized wgmma:\n" + "\n".join(serialized))
     return _parse_ptxas(log, {v: k for k, v in lowered.items()})

@@ -799,19 +799,47 @@ def sm90_bwd_keys(hd):
     return 64 if hd == 256 else SM90_BWD_KEYS
 
 
-def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False):
+def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, user_grads=False):
     """Query rows per step of the Hopper backward: 128 at head dim 64 (S^T and dP^T by wgmma
     with 128 queries); at 128 (dK and dV take 128 registers) 80 for calls without a band,
-    block mask, user mods or deterministic order (fewer shared-memory bytes per FLOP; dQ made
-    transposed, cuda/bwd_sm90.cu), else 64; 64 at 256 (the wide kernel). Packed batches with
-    ALiBi keep 64: at 80, ptxas serialized their wgmma for want of registers. Without
-    ``spec``: the rows of calls that cannot take 80."""
+    block mask, mask_mod or deterministic order, and without a score_mod's gradient arrays
+    (``user_grads``: their sums take the shared memory that 80-row steps fill) (fewer
+    shared-memory bytes per FLOP; dQ made transposed, cuda/bwd_sm90.cu), else 64; 64 at 256
+    (the wide kernel). Packed batches with ALiBi keep 64: at 80, ptxas serialized their wgmma
+    for want of registers (a user score_mod's kernel is checked when it is compiled:
+    ``sm90_bwd_step``). Without ``spec``: the rows of calls that cannot take 80."""
     if hd == 64:
         return 128
     wide_rows = (hd == 128 and spec is not None and spec.window == _spec.NO_WINDOW and block_mask is None
-                 and not deterministic and not (spec.score_mod or spec.mask_mod)
+                 and not deterministic and not spec.mask_mod and not (spec.score_mod and user_grads)
                  and not (spec.alibi and spec.varlen))
     return 80 if wide_rows else 64
+
+
+def _bwd_sm90_name(spec, hd, rows):
+    if hd == 256:
+        return template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
+    return template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, rows, spec.variant())
+
+
+def sm90_bwd_step(spec, block_mask, deterministic, user_grads):
+    """The rows of a call's Hopper backward: ``sm90_bwd_rows``, except that a user
+    score_mod's 80-row kernel is compiled and loaded first, and where it has local memory or
+    ptxas serialized its wgmma (registers run short beside some snippets: a table lookup per
+    score measured 13% slower than at 64 rows, benchmarks/NOTES.md) the call takes 64, as
+    ``_user_tile`` picks the generic kernels' tiles."""
+    hd = sm90_bwd_headdim(spec.headdim)
+    rows = sm90_bwd_rows(hd, spec, block_mask, deterministic, user_grads)
+    if rows == 80 and spec.score_mod:
+        import cupy
+        code, name, arch = (_compile.source("bwd_sm90.cu", spec.user_mods), _bwd_sm90_name(spec, hd, rows),
+                            _compile.ARCH_SPECIFIC["bwd_sm90.cu"])
+        from cupy_backends.cuda.api import driver
+        kernel = _compile.get_arch_kernel(cupy.cuda.Device().id, code, name, arch)
+        local = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.ptr)
+        if local or _compile.wgmma_serialized(code, name, arch):
+            return 64
+    return rows
 
 
 def _hopper_allowed():
@@ -901,10 +929,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
         tp["dq_order"] = order.data.ptr
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
         tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
-    name = (template_name("flash_bwd_sm90_wide_kernel", ELEM[spec.dtype], spec.variant())
-            if hd == 256 else
-            template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, rows, spec.variant()))
-    _launch("bwd_sm90.cu", name, grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods)
+    _launch("bwd_sm90.cu", _bwd_sm90_name(spec, hd, rows), grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods)
     return tiles
 
 
@@ -1033,7 +1058,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     if overlap:
         counts = empty(b * hk, np.int32)
         done = np.uint64(counts.data.ptr)
-    step = sm90_bwd_rows(sm90_bwd_headdim(hd), spec, block_mask, deterministic) if hopper else 0
+    step = sm90_bwd_step(spec, block_mask, deterministic, bool(user_grads)) if hopper else 0
     strips = dq_accum is not None and step == 80   # the buffer in cuda/bwd.cu's DQ_STRIPS
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
             (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))

@@ -206,3 +206,26 @@ def test_user_mod_kernels_compile_without_local_memory(arch, score, mask):
     # scores, P and O; 64 keys, which do not spill at d <= 128, measured slower (NOTES.md).
     local = {n: s for n, s in stats.items() if any(s[1:]) and n not in names["fwd_sm90.cu"]}
     assert not local, f"local memory (registers, spill st/ld, stack) with {arch}: {local}"
+
+
+
+def test_serialized_wgmma_is_read_from_the_log_and_kept_with_the_cached_kernel(tmp_path, monkeypatch):
+    """``_launch.sm90_bwd_step``'s check of a user score_mod's kernel: whether ptxas serialized
+    a Hopper kernel's wgmma, from NVRTC's log when the kernel is compiled and from CuPy's
+    cache directory when it is read back (no compile then): the probe above (serialized) and
+    the plain 80-row backward (not: the compile checks hold every table kernel to that)."""
+    from cupyflash import _spec
+    plain = _spec.CallSpec("bfloat16", 128)
+    kernels = [(_compile.source("sm90.cuh") + SERIAL_PROBE, "serial_probe", True),
+               (_compile.source("bwd_sm90.cu"), _launch._bwd_sm90_name(plain, 128, 80), False)]
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    for code, name, serialized in kernels:
+        _compile._arch_cubin.cache_clear()
+        assert _compile.wgmma_serialized(code, name, "sm_90a") == serialized
+    assert len(list(tmp_path.glob("cupyflash_sm_90a_*.cubin"))) == 2
+    _compile._arch_cubin.cache_clear()
+    monkeypatch.setattr(_compile, "_nvrtc_cubin", None)   # a compile now would raise
+    for code, name, serialized in kernels:
+        assert _compile.wgmma_serialized(code, name, "sm_90a") == serialized
+    _compile._arch_cubin.cache_clear()

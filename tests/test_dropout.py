@@ -163,7 +163,7 @@ SOURCE = (_compile.CUDA_DIR / "philox.cuh").read_text() + KERNELS
 
 def test_philox_header_compiles_for_sm80_without_local_memory():
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    log, _, _ = _compile.nvrtc_run(SOURCE, "philox_test.cu", (), "sm_80", ("--ptxas-options=-v",))
+    log, _, _ = _compile.nvrtc_run(SOURCE, "philox_test.cu", (), "sm_80", _compile.ptxas_log_options())
     names = ("philox_words", "keep_mask")
     stats = _compile._parse_ptxas(log, {n: n for n in names})
     assert set(stats) == set(names), log

@@ -111,7 +111,7 @@ def compile_probe(arch):
     """(cubin, {name: lowered name}, ptxas log) of the probe's instantiations for ``arch``."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     log, lowered, cubin = _compile.nvrtc_run(probe_source(), "sm90_probe.cu", NAMES.values(),
-                                             arch, ("--ptxas-options=-v",))
+                                             arch, _compile.ptxas_log_options())
     return cubin, lowered, log
 
 
@@ -429,19 +429,63 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
 @pytest.mark.parametrize("d, kw, rows", [
     (128, {}, 80), (96, dict(softcap=5.0, alibi_slopes=np.ones(2)), 80), (64, {}, 128), (256, {}, 64),
     (128, dict(causal=True), 64), (128, dict(window_size=(100, 0)), 64), (128, dict(block_mask=True), 64),
-    (128, dict(deterministic=True), 64), (128, dict(score_mod=True), 64),
+    (128, dict(deterministic=True), 64), (128, dict(score_mod=True), 80),
+    (128, dict(score_mod=True, user_grads=True), 64),
     (128, dict(alibi_slopes=np.ones(2), seq=_spec.SEQ_PACKED), 64), (128, dict(seq=_spec.SEQ_PACKED), 80)])
 def test_the_hopper_backward_steps_80_queries_at_d128_without_a_band(d, kw, rows):
     """m64n80 products where nothing else needs the registers or 64-row steps (a band's
-    diagonal blocks, a block mask's lists, the deterministic counters, a user mod's staged
+    diagonal blocks, a block mask's lists, the deterministic counters, a score_mod's staged
     gradients)."""
     q = np.zeros((1, 256, 2, d), np.float16)
     mask = cf.masks.sliding_window(256, 256, 1, block_size=128) if kw.pop("block_mask", False) else None
-    deterministic = kw.pop("deterministic", False)
+    deterministic, user_grads = kw.pop("deterministic", False), kw.pop("user_grads", False)
     score_mod = object() if kw.pop("score_mod", False) else None   # any: the spec asks only whether
     spec = _spec.CallSpec.of(q, causal=kw.pop("causal", False), block_mask=mask, score_mod=score_mod, **kw)
     hd = _launch.sm90_bwd_headdim(spec.headdim)
-    assert _launch.sm90_bwd_rows(hd, spec, mask, deterministic) == rows
+    assert _launch.sm90_bwd_rows(hd, spec, mask, deterministic, user_grads) == rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("how", ["slopes", "table"])
+def test_sm90_backward_of_a_user_score_mod_takes_80_rows_where_its_kernel_allows(how, dtype, request):
+    """ALiBi written as a user score_mod two ways (a slope per head; a table of biases per
+    distance, whose lookup leaves the 80-row kernel short of registers with NVRTC 13): the
+    call takes 80-query steps where that kernel has no local memory and ptxas kept its wgmma
+    asynchronous (a compile of its own and its verbose log say which), else 64, and
+    matches the float64 reference with built-in ALiBi either way."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    import gpu_checks
+    from cupyflash import api
+    b, sq, sk, h, hk, d = 2, 161, 203, 4, 2, 128
+    checked = gpu_checks.Case(dtype, sq, sk, d, False, batch=b, nheads=h, nheads_k=hk)
+    q, k, v, dout = gpu_checks.make_inputs(checked, gpu_checks.seed_of(request))
+    slopes = cupy.asarray(np.linspace(0.05, 0.5, h), cupy.float32)
+    dist = f"(q_idx + {sk - sq} - kv_idx)"   # ALiBi's, aligned at the last row and key
+    if how == "slopes":
+        mod = cf.ScoreMod(f"score - slopes[h] * fabsf((float){dist})", grad="dscore", arrays={"slopes": slopes})
+    else:
+        w = sq + sk
+        table = -cupy.abs(cupy.arange(-w, w + 1, dtype=cupy.float32))[:, None] * slopes
+        mod = cf.ScoreMod(f"score + table({dist} + {w}, h)", grad="dscore", arrays={"table": table})
+    spec, _ = api._call_spec(q, k, False, None, (-1, -1), 0.0, None, 0.0, None, mod,
+                             api._user_mods(mod, None, None, cupy))
+    name, code = _launch._bwd_sm90_name(spec, 128, 80), _compile.source("bwd_sm90.cu", spec.user_mods)
+    log, lowered, cubin = _compile.nvrtc_run(code, "bwd_sm90.cu", [name], "sm_90a", _compile.ptxas_log_options())
+    from cupy_backends.cuda.api import driver
+    module = cupy.cuda.function.Module()
+    module.load(cubin)
+    local = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, module.get_function(lowered[name]).ptr)
+    clean = not local and "wgmma.mma_async instructions are serialized" not in log
+    rows = _launch.sm90_bwd_step(spec, None, False, False)
+    assert rows == (80 if clean else 64)
+    assert how == "table" or rows == 80, "the slope per head's kernel no longer fits 80 rows"
+    scale = d ** -0.5
+    out, lse = cf.flash_attention(q, k, v, softmax_scale=scale, score_mod=mod, return_lse=True)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, score_mod=mod)
+    gpu_checks.check_backward(checked, dout, q, k, v, grads, scale, out=out, lse=lse, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("d, kw, overlaps", [
