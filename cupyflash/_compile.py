@@ -128,9 +128,10 @@ def _cache_error(e):
 # Files whose kernels use Hopper's arch-specific instructions (wgmma, setmaxnreg): compiled
 # for sm_90a by NVRTC directly (CuPy's RawModule appends its own -arch=sm_90). The result is
 # kept in CuPy's cache directory in CuPy's file format (the hex SHA-1 of the rest, then the
-# rest: the kernel's lowered name, a NUL byte, "s" where ptxas serialized its wgmma or "-", the
-# cubin), under a key of everything that changes it (CUBIN_FORMAT: this layout's); a file that fails the check is compiled again and rewritten, a read-only
-# directory is used for reading, CUPY_CACHE_IN_MEMORY=1 keeps it off the disk, as CuPy's own.
+# rest: the kernel's lowered name, a NUL byte, "s" where ptxas serialized its wgmma else "-",
+# the cubin), under a key of everything that changes it (CUBIN_FORMAT: this layout's); a file
+# that fails the check is compiled again and rewritten, a read-only directory is used for
+# reading, CUPY_CACHE_IN_MEMORY=1 keeps it off the disk, as CuPy's own.
 ARCH_SPECIFIC = {"fwd_sm90.cu": "sm_90a", "bwd_sm90.cu": "sm_90a"}
 CUBIN_FORMAT = "2"
 

@@ -832,12 +832,12 @@ def sm90_bwd_step(spec, block_mask, deterministic, user_grads):
     rows = sm90_bwd_rows(hd, spec, block_mask, deterministic, user_grads)
     if rows == 80 and spec.score_mod:
         import cupy
-        code, name, arch = (_compile.source("bwd_sm90.cu", spec.user_mods), _bwd_sm90_name(spec, hd, rows),
-                            _compile.ARCH_SPECIFIC["bwd_sm90.cu"])
         from cupy_backends.cuda.api import driver
+        code, name = _compile.source("bwd_sm90.cu", spec.user_mods), _bwd_sm90_name(spec, hd, rows)
+        arch = _compile.ARCH_SPECIFIC["bwd_sm90.cu"]
         kernel = _compile.get_arch_kernel(cupy.cuda.Device().id, code, name, arch)
-        local = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.ptr)
-        if local or _compile.wgmma_serialized(code, name, arch):
+        if (driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.ptr)
+                or _compile.wgmma_serialized(code, name, arch)):
             return 64
     return rows
 

@@ -208,7 +208,6 @@ def test_user_mod_kernels_compile_without_local_memory(arch, score, mask):
     assert not local, f"local memory (registers, spill st/ld, stack) with {arch}: {local}"
 
 
-
 def test_serialized_wgmma_is_read_from_the_log_and_kept_with_the_cached_kernel(tmp_path, monkeypatch):
     """``_launch.sm90_bwd_step``'s check of a user score_mod's kernel: whether ptxas serialized
     a Hopper kernel's wgmma, from NVRTC's log when the kernel is compiled and from CuPy's

@@ -478,7 +478,7 @@ def test_sm90_backward_of_a_user_score_mod_takes_80_rows_where_its_kernel_allows
     module = cupy.cuda.function.Module()
     module.load(cubin)
     local = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, module.get_function(lowered[name]).ptr)
-    clean = not local and "wgmma.mma_async instructions are serialized" not in log
+    clean = not local and _compile.WGMMA_SERIALIZED not in log
     rows = _launch.sm90_bwd_step(spec, None, False, False)
     assert rows == (80 if clean else 64)
     assert how == "table" or rows == 80, "the slope per head's kernel no longer fits 80 rows"
