@@ -801,13 +801,13 @@ def sm90_bwd_keys(hd):
 
 def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, user_grads=False):
     """Query rows per step of the Hopper backward: 128 at head dim 64 (S^T and dP^T by wgmma
-    with 128 queries); at 128 (dK and dV take 128 registers) 80 for calls without a band,
-    block mask, mask_mod or deterministic order, and without a score_mod's gradient arrays
-    (``user_grads``: their sums take the shared memory that 80-row steps fill) (fewer
-    shared-memory bytes per FLOP; dQ made transposed, cuda/bwd_sm90.cu), else 64; 64 at 256
-    (the wide kernel). Packed batches with ALiBi keep 64: at 80, ptxas serialized their wgmma
-    for want of registers (a user score_mod's kernel is checked when it is compiled:
-    ``sm90_bwd_step``). Without ``spec``: the rows of calls that cannot take 80."""
+    with 128 queries); 64 at 256 (the wide kernel); at 128 (dK and dV take 128 registers) 80,
+    fewer shared-memory bytes per FLOP with dQ made transposed (cuda/bwd_sm90.cu), for calls
+    without a band, block mask, mask_mod, deterministic order or a score_mod's gradient arrays
+    (``user_grads``: their sums take the shared memory that 80-row steps fill), else 64.
+    Packed batches with ALiBi keep 64: at 80, ptxas serialized their wgmma for want of
+    registers (a user score_mod's kernel is checked once compiled: ``sm90_bwd_step``).
+    Without ``spec``: the rows of calls that cannot take 80."""
     if hd == 64:
         return 128
     wide_rows = (hd == 128 and spec is not None and spec.window == _spec.NO_WINDOW and block_mask is None
