@@ -12,8 +12,10 @@ where visible) that the reference applies on top of ``causal``, and the call's v
 tests/reference.py's keywords (``window_size``, ``softcap``, ``alibi_slopes``, ``dropout``: the
 multiplier of P, ``score_mod``: a dense spelling of the user's), passed through to the reference
 and the naive implementation. Where ALiBi or a score_mod moves the scores far from 0, the fp32
-and fp64 bounds widen with the largest |lse| (``tight_rtol``); the gradients of a score_mod's
-arrays are held to ``assert_table_rule``.
+and fp64 bounds widen with the largest |lse| (``tight_rtol``); where a result's terms cancel
+(dv of a single key is a plain sum of dout), they add 4 roundings of the sums of the terms'
+absolute values (``assert_tight``); the gradients of a score_mod's arrays are held to
+``assert_table_rule``.
 
 Importable without CuPy (``cp`` is then None): test_interop.py's host-only tests use the
 tolerances and seeds from here.
@@ -51,6 +53,8 @@ FWD_FACTOR, BWD_FACTOR = 2, 3
 # lse: fp32 statistics, compared relative to max(|lse|, 1).
 LSE_RTOL = {"bf16": 1e-4, "fp16": 1e-4, "fp32": 1e-5, "fp64": 1e-10}
 FP64_RTOL = 1e-10
+# One rounding of fp32 and of fp64 (unit roundoff), indexed by "is fp64".
+ROUNDING = (2.0 ** -24, 2.0 ** -53)
 
 
 def fp32_rtol(sq, sk):
@@ -112,14 +116,22 @@ def first(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def assert_tight(name, got, ref, rtol, magnitude=None):
+def assert_tight(name, got, ref, rtol, magnitude=None, sizes=None):
+    """``got`` within ``rtol`` of the largest reference value (or ``magnitude``), plus, where
+    ``sizes`` (the sums of the absolute values of the reference's terms) is given, 4 roundings
+    of the input dtype's precision (fp32 or fp64, from ``got``) of the largest size: a sum whose
+    terms cancel keeps the rounding of its partial sums, which its result does not scale."""
     got, ref = wide(got), wide(cp.asarray(ref))
     assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
     assert not bool(cp.isnan(got).any()), f"{name} has NaN"
     err = float(cp.abs(got - ref).max())
     top = max(float(cp.abs(ref).max()) if magnitude is None else magnitude, 1e-30)
-    assert err <= rtol * top, \
-        f"{name}: max error {err:.3e} > {rtol:.1e} * max|ref| ({top:.3e}), ratio {err / top:.2e}"
+    slack = 0.0
+    if sizes is not None:
+        slack = 4 * ROUNDING[got.dtype == cp.float64] * float(cp.asarray(sizes).max())
+    assert err <= rtol * top + slack, \
+        (f"{name}: max error {err:.3e} > {rtol:.1e} * max|ref| ({top:.3e}) + {slack:.3e} "
+         f"(the rounding of the terms' sizes), ratio {err / top:.2e}")
 
 
 def assert_lse(lse, ref_lse, dtype_name):
@@ -158,8 +170,7 @@ def tight_rtol(case, lse=None, variant=None):
         raise ValueError("tight_rtol: ALiBi and a score_mod widen the bound by the lse: pass it")
     finite = cp.isfinite(lse)
     top = float(cp.abs(lse[finite]).max()) if bool(finite.any()) else 0.0
-    rounding = 2.0 ** -24 if case.dtype == "fp32" else 2.0 ** -53
-    return max(base, 4 * rounding * top)
+    return max(base, 4 * ROUNDING[case.dtype == "fp64"] * top)
 
 
 def check_forward(case, q, k, v, out, lse, scale, mask=None, **variant):
@@ -167,14 +178,15 @@ def check_forward(case, q, k, v, out, lse, scale, mask=None, **variant):
     the reference keywords ``variant``)."""
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (case.batch, case.nheads, case.sq)
-    ref_out, ref_lse = attention_ref(q, k, v, scale, case.causal, mask=mask, **variant)
+    ref_out, ref_lse, sizes = attention_ref(q, k, v, scale, case.causal, mask=mask,
+                                            term_sizes=True, **variant)
     if case.dtype in HALF:
         naive = first(attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask,
                                       **variant))
         assert not has_nan(out), "out has NaN"
         assert_rule("out", out, ref_out, naive, FWD_FACTOR)
     else:
-        assert_tight("out", out, ref_out, tight_rtol(case, ref_lse, variant))
+        assert_tight("out", out, ref_out, tight_rtol(case, ref_lse, variant), sizes=sizes)
     assert_lse(lse, ref_lse, case.dtype)
 
 
@@ -201,10 +213,12 @@ def check_backward(case, dout, q, k, v, grads, scale, mask=None, *, out=None, ls
     returns (a fourth result, float32, float64 for fp64), those by ``assert_table_rule``
     against a naive implementation's (its rounded dS added up in float32, float64 for fp64)
     and the reference given ``out``, the forward's out the backward was handed."""
-    refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask, **variant)
-    # With a score_mod the reference adds its arrays' gradients and the sizes of their terms.
-    ref_tables, sizes = refs[3:] if len(refs) == 5 else ({}, {})
-    refs = refs[:3]
+    refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask,
+                                  term_sizes=True, **variant)
+    # With a score_mod the reference adds its arrays' gradients and the sizes of their terms;
+    # last come the sizes of the gradients' terms.
+    ref_tables, sizes = refs[3:5] if len(refs) == 6 else ({}, {})
+    refs, grad_sizes = refs[:3], refs[-1]
     tables = grads[3] if len(grads) == 4 else {}
     assert set(tables) == set(ref_tables), \
         f"table gradients {sorted(tables)}, expected {sorted(ref_tables)}"
@@ -226,8 +240,8 @@ def check_backward(case, dout, q, k, v, grads, scale, mask=None, *, out=None, ls
             assert_rule(name, g, r, n, BWD_FACTOR, magnitude)
     else:
         rtol = tight_rtol(case, lse, variant)
-        for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-            assert_tight(name, g, r, rtol, magnitude)
+        for name, g, r, size in zip(("dq", "dk", "dv"), grads, refs, grad_sizes):
+            assert_tight(name, g, r, rtol, magnitude, size)
     if not tables:
         return
     if out is None:

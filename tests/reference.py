@@ -207,13 +207,15 @@ def _scores(q, k, scale, causal, mask=None, window_size=(-1, -1), softcap=0.0,
     return s, dmod, tables
 
 
-def attention_ref(q, k, v, scale, causal, mask=None, dropout=None, **variant):
+def attention_ref(q, k, v, scale, causal, mask=None, dropout=None, term_sizes=False,
+                  **variant):
     """Full-matrix attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq).
     ``mask``: optional element mask, bool (h or 1, sq, sk) or (b or 1, h or 1, sq, sk), True
     where visible (e.g. ``BlockMask.to_dense()``), ANDed with causal. ``dropout``: the
     multiplier of P (``dropout_scale``) or None. ``variant``: ``window_size``, ``softcap``,
     ``alibi_slopes`` with ``flash_attention``'s meaning, ``bias`` and a dense ``score_mod``
-    (see ``_scores``)."""
+    (see ``_scores``). ``term_sizes``: a third result, P |V|, the sums of the absolute values
+    of out's terms: the scale of a computed out's rounding where the terms cancel."""
     xp = get_xp(q, k, v)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
     h = q.shape[2]
@@ -223,11 +225,13 @@ def attention_ref(q, k, v, scale, causal, mask=None, dropout=None, **variant):
     if dropout is not None:
         p = p * dropout
     out = _einsum("bhij,bjhd->bihd", p, v)
+    if term_sizes:
+        return out, lse, _einsum("bhij,bjhd->bihd", p, xp.abs(v))
     return out, lse
 
 
 def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None,
-                           return_ds=False, out=None, **variant):
+                           return_ds=False, out=None, term_sizes=False, **variant):
     """Gradients of ``attention_ref`` in float64, by the explicit formulas on the full matrix:
     dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), times the derivative of the
     softcap or the ``score_mod`` (the ALiBi bias and an additive ``bias`` are constants),
@@ -242,7 +246,10 @@ def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None
     |rowsum(P * dP)|), the scale of the rounding a computed dS carries (a check's magnitude
     where the terms cancel: to exactly 0 where each row sees one key, dS = 0); with
     ``return_ds`` last dS, (b, h, sq, sk), d loss / d the final scores, of which the gradient
-    of an additive bias is a sum."""
+    of an additive bias is a sum. With ``term_sizes``, before dS, the sums of the absolute
+    values of dq's, dk's and dv's terms, dS again replaced by P * (|dP| + |rowsum(P * dP)|):
+    the scale of the rounding of gradients whose terms cancel (dv of a single key is a plain
+    sum of dO over the queries)."""
     xp = get_xp(dout, q, k, v)
     dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
     h, hk = q.shape[2], k.shape[2]
@@ -264,8 +271,15 @@ def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None
     dq = _einsum("bhij,bjhd->bihd", ds_in, k_h) * scale
     dk = _einsum("bhij,bihd->bjhd", ds_in, q) * scale
     result = (dq, _sum_groups(dk, hk), _sum_groups(dv, hk))
+    ds_size = p * (xp.abs(dp) + xp.abs(rows))
     if tables is not None:
-        result += (tables(ds), tables(p * (xp.abs(dp) + xp.abs(rows)), sizes=True))
+        result += (tables(ds), tables(ds_size, sizes=True))
+    if term_sizes:
+        ds_size = ds_size if dmod is None else ds_size * xp.abs(dmod)
+        p_size = p if dropout is None else p * dropout
+        result += ((_einsum("bhij,bjhd->bihd", ds_size, xp.abs(k_h)) * abs(scale),
+                    _sum_groups(_einsum("bhij,bihd->bjhd", ds_size, xp.abs(q)) * abs(scale), hk),
+                    _sum_groups(_einsum("bhij,bihd->bjhd", p_size, xp.abs(dout)), hk)),)
     return result + (ds,) if return_ds else result
 
 

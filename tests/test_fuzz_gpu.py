@@ -72,7 +72,8 @@ value or a NaN. The reference and the naive implementation apply the case's vari
 and slopes as given, dropout as the public keep-mask (``Case.dropout_scale``), a mask_mod as
 an element mask and a score_mod in its dense spelling. Where ALiBi or a score_mod moves the
 scores far from 0, the fp32 and fp64 bounds widen to 4 roundings of the largest |lse|
-(``gpu_checks.tight_rtol``). The gradients of a score_mod's arrays (float32, float64 for
+(``gpu_checks.tight_rtol``), and where a result's terms cancel they add 4 roundings of the sums
+of the terms' absolute values (``gpu_checks.assert_tight``). The gradients of a score_mod's arrays (float32, float64 for
 fp64): their error against the float64 reference given the out the kernels were handed within
 3x a naive implementation's error, plus 1e-6 of the sizes of their terms
 (``gpu_checks.assert_table_rule`` says why).

@@ -239,3 +239,26 @@ def test_reference_bf16_rounding_is_nearest_even():
                                        3.4e38])])
     expected = x.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(round_to(x, "bfloat16"), expected)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_term_sizes_bound_the_results_and_are_plain_sums_for_one_key(causal):
+    # The GPU checks' fp32/fp64 slack (gpu_checks.assert_tight) scales with these sizes: each
+    # bounds its result (triangle inequality), and with one key, where P = 1 and dS = 0, dv's
+    # is the sum of |dout| over the queries of its group and out's is |v|.
+    q, k, v = random_inputs(np, (2, 37, 4, 8), (2, 29, 2, 8), np.float64, 31)
+    dout = random_array(np, q.shape, np.float64, 32)
+    out, _, out_size = attention_ref(q, k, v, 0.3, causal, term_sizes=True, softcap=2.0)
+    assert (out_size >= np.abs(out)).all()
+    *grads, sizes = attention_ref_backward(dout, q, k, v, 0.3, causal, term_sizes=True,
+                                           softcap=2.0)
+    for g, size in zip(grads, sizes):
+        assert g.shape == size.shape and (size >= np.abs(g)).all()
+    one_k, one_v = k[:, :1], v[:, :1]
+    out, _, out_size = attention_ref(q, one_k, one_v, 0.3, False, term_sizes=True)
+    np.testing.assert_allclose(out_size, np.abs(np.repeat(one_v, 2, axis=2)).repeat(37, 1))
+    *_, (dq_size, _, dv_size) = attention_ref_backward(dout, q, one_k, one_v, 0.3, False,
+                                                       term_sizes=True)
+    expected = np.abs(dout).sum(axis=1, keepdims=True).reshape(2, 1, 2, 2, 8).sum(axis=3)
+    np.testing.assert_allclose(dv_size, expected)
+    assert (dq_size > 0).all()
