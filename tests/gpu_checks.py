@@ -121,14 +121,13 @@ def assert_tight(name, got, ref, rtol, magnitude=None, sizes=None):
     ``sizes`` (the sums of the absolute values of the reference's terms) is given, 4 roundings
     of the input dtype's precision (fp32 or fp64, from ``got``) of the largest size: a sum whose
     terms cancel keeps the rounding of its partial sums, which its result does not scale."""
+    rounding = ROUNDING[got.dtype == cp.float64]
     got, ref = wide(got), wide(cp.asarray(ref))
     assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
     assert not bool(cp.isnan(got).any()), f"{name} has NaN"
     err = float(cp.abs(got - ref).max())
     top = max(float(cp.abs(ref).max()) if magnitude is None else magnitude, 1e-30)
-    slack = 0.0
-    if sizes is not None:
-        slack = 4 * ROUNDING[got.dtype == cp.float64] * float(cp.asarray(sizes).max())
+    slack = 0.0 if sizes is None else 4 * rounding * float(cp.asarray(sizes).max())
     assert err <= rtol * top + slack, \
         (f"{name}: max error {err:.3e} > {rtol:.1e} * max|ref| ({top:.3e}) + {slack:.3e} "
          f"(the rounding of the terms' sizes), ratio {err / top:.2e}")
