@@ -21,10 +21,10 @@
 // warpgroup's) at d = 128, for the warpgroup's 64 of the 128 queries x the whole head dim at
 // d = 64. A step's dQ is staged at its end and pushed to the buffer in the next step, once
 // that step's S^T and dP^T are issued: the fence and the add then wait under its products.
-// At d = 128 without a band (_launch.sm90_bwd_rows), steps of 80 queries: S^T and dP^T by
-// m64n80, dS stored with queries as rows (stmatrix.trans), and dQ^T = K^T dS^T for the
-// warpgroup's 64 columns x 80 queries, each warp's 16 columns one span of the buffer in
-// column strips (bwd.cu's DQ_STRIPS).
+// At d = 128 without a band, or causal from 8K query rows (_launch.sm90_bwd_rows), steps of
+// 80 queries: S^T and dP^T by m64n80, dS stored with queries as rows (stmatrix.trans), and
+// dQ^T = K^T dS^T for the warpgroup's 64 columns x 80 queries, each warp's 16 columns one
+// span of the buffer in column strips (bwd.cu's DQ_STRIPS).
 // flash_bwd_sm90_wide_kernel (head dim 256): see there.
 // A user score_mod (both kernels): P^T and dS^T element by element from the raw S^T once
 // dP^T is in (user_probs_t); its arrays' gradients are added up in shared memory after the

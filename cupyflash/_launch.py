@@ -799,18 +799,28 @@ def sm90_bwd_keys(hd):
     return 64 if hd == 256 else SM90_BWD_KEYS
 
 
-def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, user_grads=False):
+# Causal calls take 80-query steps from this many query rows on. A key block's steps start on a
+# multiple of 80 below its diagonal and the last one ends past seqlen_q: masked rows that
+# short calls pay more for than the 80-row products save (benchmarks/NOTES.md, twenty-fourth
+# session: 4K -2%, 8K +1.3%, 16K +2.5% against 64 rows).
+SM90_BWD_CAUSAL_80_FROM = 8192
+
+
+def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, user_grads=False, seqlen_q=0):
     """Query rows per step of the Hopper backward: 128 at head dim 64 (S^T and dP^T by wgmma
     with 128 queries); 64 at 256 (the wide kernel); at 128 (dK and dV take 128 registers) 80,
     fewer shared-memory bytes per FLOP with dQ made transposed (cuda/bwd_sm90.cu), for calls
-    without a band, block mask, mask_mod, deterministic order or a score_mod's gradient arrays
+    without a band (or causal ones of ``SM90_BWD_CAUSAL_80_FROM`` query rows or more, not
+    packed), block mask, mask_mod, deterministic order or a score_mod's gradient arrays
     (``user_grads``: their sums take the shared memory that 80-row steps fill), else 64.
     Packed batches with ALiBi keep 64: at 80, ptxas serialized their wgmma for want of
     registers (a user score_mod's kernel is checked once compiled: ``sm90_bwd_step``).
     Without ``spec``: the rows of calls that cannot take 80."""
     if hd == 64:
         return 128
-    wide_rows = (hd == 128 and spec is not None and spec.window == _spec.NO_WINDOW and block_mask is None
+    band_ok = spec is not None and (spec.window == _spec.NO_WINDOW or (
+        spec.causal and not spec.varlen and seqlen_q >= SM90_BWD_CAUSAL_80_FROM))
+    wide_rows = (hd == 128 and band_ok and block_mask is None
                  and not deterministic and not spec.mask_mod and not (spec.score_mod and user_grads)
                  and not (spec.alibi and spec.varlen))
     return 80 if wide_rows else 64
@@ -822,14 +832,14 @@ def _bwd_sm90_name(spec, hd, rows):
     return template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, rows, spec.variant())
 
 
-def sm90_bwd_step(spec, block_mask, deterministic, user_grads):
+def sm90_bwd_step(spec, block_mask, deterministic, user_grads, seqlen_q):
     """The rows of a call's Hopper backward: ``sm90_bwd_rows``, except that a user
     score_mod's 80-row kernel is compiled and loaded first, and where it has local memory or
     ptxas serialized its wgmma (registers run short beside some snippets: a table lookup per
     score measured 13% slower than at 64 rows, benchmarks/NOTES.md) the call takes 64, as
     ``_user_tile`` picks the generic kernels' tiles."""
     hd = sm90_bwd_headdim(spec.headdim)
-    rows = sm90_bwd_rows(hd, spec, block_mask, deterministic, user_grads)
+    rows = sm90_bwd_rows(hd, spec, block_mask, deterministic, user_grads, seqlen_q)
     if rows == 80 and spec.score_mod:
         import cupy
         from cupy_backends.cuda.api import driver
@@ -1058,7 +1068,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     if overlap:
         counts = empty(b * hk, np.int32)
         done = np.uint64(counts.data.ptr)
-    step = sm90_bwd_step(spec, block_mask, deterministic, bool(user_grads)) if hopper else 0
+    step = sm90_bwd_step(spec, block_mask, deterministic, bool(user_grads), sq) if hopper else 0
     strips = dq_accum is not None and step == 80   # the buffer in cuda/bwd.cu's DQ_STRIPS
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
             (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))
@@ -1271,7 +1281,8 @@ def kernel_names(smem_limit, hopper=False):
         names["bwd_sm90.cu"] = [
             template_name("flash_bwd_sm90_kernel", ELEM[d], hd, rows, spec.variant())
             for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout
-            for rows in sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, dataclasses.replace(spec, headdim=hd))})] + [
+            for rows in sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, dataclasses.replace(spec, headdim=hd),
+                                                                 seqlen_q=SM90_BWD_CAUSAL_80_FROM)})] + [
             template_name("flash_bwd_sm90_wide_kernel", ELEM[d], spec.variant())
             for d in TENSOR_CORE for spec in variants if not spec.dropout]
     # The decode kernels: every band with softcap and ALiBi (no dropout), both cache layouts.

@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from cupyflash import _launch
+
 ROOT = Path(__file__).resolve().parent.parent
 SEQLENS = (2048, 8192, 16384)
 
@@ -124,12 +126,12 @@ def test_readme_host_time_figures_are_the_cited_runs():
 
 def test_readme_80_query_step_gains_are_the_cited_runs():
     """The Hopper section's gains of the 80-query backward step over 64-query steps (plain,
-    built-in modifiers, a user score_mod): the mean of each tree's reps in the A/B JSONs it
-    names."""
+    built-in modifiers, a user score_mod, causal calls): the mean of each tree's reps in the
+    A/B JSONs it names."""
     text = (ROOT / "README.md").read_text()
     start = text.index("Against 64-query steps (the mean of each tree's reps")
     section = text[start:text.index("At 256 (buckets", start)]
-    final, variants, user = re.findall(r"`(benchmarks/results/[^`]+\.json)`", section)
+    final, variants, user, causal = re.findall(r"`(benchmarks/results/[^`]+\.json)`", section)
 
     def gains(path):
         rows = json.loads((ROOT / path).read_text())["rows"]
@@ -143,6 +145,9 @@ def test_readme_80_query_step_gains_are_the_cited_runs():
     rule = {name: float(g) for name, g in re.findall(r"with\s+(softcap|ALiBi)\s+([-+][\d.]+)%", section)}
     assert rule == {"softcap": gains(variants)["128:8192:0:bwd:softcap"],
                     "ALiBi": gains(variants)["128:8192:0:bwd:alibi"]}
-    spelled = section[section.index("a score_mod\n  spelling ALiBi"):]
+    spelled, causal_calls = section[section.index("a score_mod\n  spelling ALiBi"):].split("causal calls", 1)
     found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", spelled)}
     assert found == {s // 1024: gains(user)[f"128:{s}:0:bwd:user_alibi"] for s in (2048, 8192, 16384)}
+    found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", causal_calls)}
+    assert found == {s // 1024: gains(causal)[f"128:{s}:1:bwd"] for s in (4096, 8192, 16384)}
+    assert _launch.SM90_BWD_CAUSAL_80_FROM == 8192 and "causal calls of 8K query rows or more" in text
