@@ -10,6 +10,10 @@ from cupyflash._gpu import gpu_or_reason
 # Every launch plan replayed in the GPU tests is checked against a fresh preparation of its call
 # (cupyflash/_launch.py, _planned).
 os.environ.setdefault("CUPYFLASH_CHECK_PLANS", "1")
+# Before any test module imports JAX: by default its first use (even of its CPU devices, which
+# starts every backend) takes 75% of GPU memory, ~105 GB of an H200 per pytest worker, and the
+# other workers' CuPy and PyTorch pools then run out.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,18 +15,13 @@ float32 and float64 are compared tightly, as in test_gpu_dense.py.
 Framework tests skip where the framework is not importable; GPU tests (marker ``gpu``) skip
 where CuPy sees no GPU.
 """
-import os
 import re
 import sys
 import types
 from pathlib import Path
 
-# Before anything imports JAX: by default it grabs 75% of GPU memory at its first use, which
-# would starve CuPy's and PyTorch's pools in this process.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 import cupyflash as cf  # noqa: E402
 from cupyflash import _arrays  # noqa: E402

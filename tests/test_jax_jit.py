@@ -9,14 +9,9 @@ checked against references in test_interop.py.
 
 Skips where JAX is not importable; GPU tests (marker ``gpu``) also skip where JAX has no GPU.
 """
-import os
 
-# Before JAX is imported: by default it grabs 75% of GPU memory at its first use, which would
-# starve CuPy's pool in this process.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
