@@ -177,15 +177,16 @@ def check_forward(case, q, k, v, out, lse, scale, mask=None, **variant):
     the reference keywords ``variant``)."""
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (case.batch, case.nheads, case.sq)
-    ref_out, ref_lse, sizes = attention_ref(q, k, v, scale, case.causal, mask=mask,
-                                            term_sizes=True, **variant)
-    if case.dtype in HALF:
+    tight = case.dtype not in HALF
+    ref_out, ref_lse, *sizes = attention_ref(q, k, v, scale, case.causal, mask=mask,
+                                             term_sizes=tight, **variant)
+    if not tight:
         naive = first(attention_naive(q, k, v, scale, case.causal, q.dtype, mask=mask,
                                       **variant))
         assert not has_nan(out), "out has NaN"
         assert_rule("out", out, ref_out, naive, FWD_FACTOR)
     else:
-        assert_tight("out", out, ref_out, tight_rtol(case, ref_lse, variant), sizes=sizes)
+        assert_tight("out", out, ref_out, tight_rtol(case, ref_lse, variant), sizes=sizes[0])
     assert_lse(lse, ref_lse, case.dtype)
 
 
@@ -212,12 +213,14 @@ def check_backward(case, dout, q, k, v, grads, scale, mask=None, *, out=None, ls
     returns (a fourth result, float32, float64 for fp64), those by ``assert_table_rule``
     against a naive implementation's (its rounded dS added up in float32, float64 for fp64)
     and the reference given ``out``, the forward's out the backward was handed."""
+    tight = case.dtype not in HALF
     refs = attention_ref_backward(dout, q, k, v, scale, case.causal, mask=mask,
-                                  term_sizes=True, **variant)
-    # With a score_mod the reference adds its arrays' gradients and the sizes of their terms;
-    # last come the sizes of the gradients' terms.
-    ref_tables, sizes = refs[3:5] if len(refs) == 6 else ({}, {})
-    refs, grad_sizes = refs[:3], refs[-1]
+                                  term_sizes=tight, **variant)
+    if tight:   # last, the sizes of the gradients' terms
+        *refs, grad_sizes = refs
+    # With a score_mod the reference adds its arrays' gradients and the sizes of their terms.
+    ref_tables, sizes = refs[3:] if len(refs) == 5 else ({}, {})
+    refs = refs[:3]
     tables = grads[3] if len(grads) == 4 else {}
     assert set(tables) == set(ref_tables), \
         f"table gradients {sorted(tables)}, expected {sorted(ref_tables)}"
@@ -230,10 +233,10 @@ def check_backward(case, dout, q, k, v, grads, scale, mask=None, *, out=None, ls
         assert g.shape == like.shape and g.dtype == like.dtype, \
             f"{name}: {g.shape} {g.dtype}, expected {like.shape} {like.dtype}"
     naives = None
-    if case.dtype in HALF or tables:
+    if not tight or tables:
         naives = attention_naive_backward(dout, q, k, v, scale, case.causal, q.dtype,
                                           mask=mask, **variant)
-    if case.dtype in HALF:
+    if not tight:
         for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
             assert not has_nan(g), f"{name} has NaN"
             assert_rule(name, g, r, n, BWD_FACTOR, magnitude)

@@ -271,7 +271,7 @@ def attention_ref_backward(dout, q, k, v, scale, causal, mask=None, dropout=None
     dq = _einsum("bhij,bjhd->bihd", ds_in, k_h) * scale
     dk = _einsum("bhij,bihd->bjhd", ds_in, q) * scale
     result = (dq, _sum_groups(dk, hk), _sum_groups(dv, hk))
-    ds_size = p * (xp.abs(dp) + xp.abs(rows))
+    ds_size = p * (xp.abs(dp) + xp.abs(rows)) if tables is not None or term_sizes else None
     if tables is not None:
         result += (tables(ds), tables(ds_size, sizes=True))
     if term_sizes:
