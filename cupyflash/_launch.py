@@ -1279,12 +1279,10 @@ def kernel_names(smem_limit, hopper=False):
             for spec in (dataclasses.replace(s, headdim=hd) for s in variants if not s.dropout)
             for tile in sorted({sm90_fwd_tile(spec, None)} | ({sm90_fwd_tile(spec, "mask")} if not spec.varlen else set()))]
         names["bwd_sm90.cu"] = [
-            template_name("flash_bwd_sm90_kernel", ELEM[d], hd, rows, spec.variant())
-            for d in TENSOR_CORE for hd in (64, 128) for spec in variants if not spec.dropout
-            for rows in sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, dataclasses.replace(spec, headdim=hd),
-                                                                 seqlen_q=SM90_BWD_CAUSAL_80_FROM)})] + [
-            template_name("flash_bwd_sm90_wide_kernel", ELEM[d], spec.variant())
-            for d in TENSOR_CORE for spec in variants if not spec.dropout]
+            _bwd_sm90_name(spec, hd, rows)
+            for d in TENSOR_CORE for hd in (64, 128, 256)
+            for spec in (dataclasses.replace(s, dtype=d, headdim=hd) for s in variants if not s.dropout)
+            for rows in sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, spec, seqlen_q=SM90_BWD_CAUSAL_80_FROM)})]
     # The decode kernels: every band with softcap and ALiBi (no dropout), both cache layouts.
     names["decode.cu"] = [
         template_name("flash_decode_kernel", ELEM[d], hd, dataclasses.replace(s, seq=seq).variant())
