@@ -314,9 +314,10 @@ def _accumulate(xp, out, lse, o, lse_o):
     lse[...] = total
 
 
-def _setup(names, arrays, group, layout, causal, window_size):
-    """The arrays on their backend, the caller, the array module, the ring, the chunk length and
-    the band of global positions (``_spec.band``), each argument checked."""
+def _setup(names, arrays, group, layout, causal, window_size, head_groups):
+    """The arrays on their backend, the caller, the array module, the ring, the chunk length,
+    the band of global positions (``_spec.band``) and the head groups (``_head_groups``), each
+    argument checked."""
     per = _per_rank(layout)
     band = _band(causal, _validate.check_window_size(window_size, None))
     converted, caller, xp = _arrays.as_backend(arrays, names)
@@ -331,8 +332,33 @@ def _setup(names, arrays, group, layout, causal, window_size):
         raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so the local "
                          f"seqlen must be even, got {q.shape[1]} (shard cuts sequences whose "
                          f"length is a multiple of 2 * world; or use layout='contiguous')")
+    if got["v"].shape[2] != k.shape[2] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"k and v must have the same number of heads, dividing q's: q has "
+                         f"{q.shape[2]}, k {k.shape[2]}, v {got['v'].shape[2]}")
+    groups = _head_groups(q.shape[2], k.shape[2], k.nbytes, head_groups)
     ring = as_ring(group)
-    return got, caller, xp, ring, q.shape[1] // per, band
+    return got, caller, xp, ring, q.shape[1] // per, band, groups
+
+
+# The default head groups keep each group's k shard at least this big: a ring step then still
+# sends tens of MiB per message, while its buffers shrink with the groups.
+GROUP_BYTES = 64 << 20
+
+
+def _head_groups(nheads, nheads_k, k_bytes, head_groups):
+    """(query heads, KV heads) slices of each group: ``head_groups`` groups of nheads_k /
+    head_groups KV heads, each with its KV heads' query heads (GQA puts a KV head's query
+    heads side by side). None: the largest divisor of nheads_k whose groups' k shards are at
+    least GROUP_BYTES, or 1."""
+    if head_groups is None:
+        head_groups = max([g for g in range(1, nheads_k + 1)
+                           if nheads_k % g == 0 and k_bytes // g >= GROUP_BYTES], default=1)
+    head_groups = _validate.check_int("head_groups", head_groups, 1, nheads_k)
+    if nheads_k % head_groups:
+        raise ValueError(f"head_groups must divide nheads_k ({nheads_k}), got {head_groups}")
+    kv, per_kv = nheads_k // head_groups, nheads // nheads_k
+    return [(slice(g * kv * per_kv, (g + 1) * kv * per_kv), slice(g * kv, (g + 1) * kv))
+            for g in range(head_groups)]
 
 
 def _ring_buffers(xp, first, world):
@@ -344,7 +370,7 @@ def _ring_buffers(xp, first, world):
 
 
 def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                   softcap=0.0, layout="zigzag", return_lse=False):
+                   softcap=0.0, layout="zigzag", head_groups=None, return_lse=False):
     """``flash_attention`` over a sequence sharded across the ranks of ``group``.
 
     Parameters
@@ -358,81 +384,108 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, window_s
         shards that a window keeps out of reach of this rank's queries cost no call, but still
         travel the whole ring.
     layout : "zigzag" (default; seqlen_local even) or "contiguous", as ``shard`` cut them.
+    head_groups : int, optional
+        The heads go round the ring in this many groups, one group after another (a divisor
+        of nheads_k; each group takes its KV heads' query heads). The buffers a ring needs
+        besides its inputs and outputs (the received k/v shard, the float32 accumulators, the
+        travelling dK/dV) are then a group's size, not the shard's. None: the most groups
+        whose k shard is still ``GROUP_BYTES`` or more (1 for small shards). The same value
+        must be given on every rank.
 
     Returns
     -------
     out (this rank's shard, q's dtype), or ``(out, lse)`` with lse (batch, heads, seqlen_local)
     float32 (float64 for float64 inputs).
     """
-    got, caller, xp, ring, c, band = _setup(["q", "k", "v"], [q, k, v], group, layout, causal, window_size)
+    got, caller, xp, ring, c, band, groups = _setup(["q", "k", "v"], [q, k, v], group, layout, causal,
+                                                    window_size, head_groups)
     q, k, v = got["q"], got["k"], got["v"]
-    acc = _config.lse_dtype(q.dtype)   # the accumulators' dtype is lse's
     with _arrays.launch_context(caller):
-        out = xp.empty(q.shape, acc)
-        lse = xp.empty((q.shape[0], q.shape[2], q.shape[1]), acc)
-        mine = chunks_of(ring.rank, ring.size, layout)
-        held = _ring_buffers(xp, [k, v], ring.size)
-        written = 0   # the first step's rows below this were written; later calls merge into them
-        for step in range(ring.size):
-            pending = ring.start(held[step], held[step + 1]) if step + 1 < ring.size else None
-            kh, vh = held[step]
-            src = (ring.rank - step) % ring.size
-            for q0, q1, k0, k1, window in _plan(mine, chunks_of(src, ring.size, layout), c, band):
-                o, l = flash_attention(q[:, q0:q1], kh[:, k0:k1], vh[:, k0:k1], window_size=window,
-                                       softmax_scale=softmax_scale, softcap=softcap, return_lse=True)
-                # The first step holds each q chunk's own chunk, whose call comes first among
-                # the chunk's (the plan goes chunk by chunk) and covers every row of it (a row
-                # sees itself): written, not merged.
-                if step == 0 and q0 >= written:
-                    out[:, q0:q1], lse[:, :, q0:q1] = o, l
-                    written = q1
-                else:
-                    _accumulate(xp, out[:, q0:q1], lse[:, :, q0:q1], o, l)
-            if pending is not None:
-                pending.wait()
-        out = _arrays.to_caller(out.astype(q.dtype), caller)
+        out = xp.empty(q.shape, q.dtype)
+        lse = xp.empty((q.shape[0], q.shape[2], q.shape[1]), _config.lse_dtype(q.dtype))
+        for qh, kh in groups:
+            out[:, :, qh] = _ring_forward(xp, ring, layout, c, band, q[:, :, qh], k[:, :, kh], v[:, :, kh],
+                                          lse[:, qh], softmax_scale=softmax_scale, softcap=softcap)
+        out = _arrays.to_caller(out, caller)
         return (out, _arrays.to_caller(lse, caller)) if return_lse else out
 
 
+def _ring_forward(xp, ring, layout, c, band, q, k, v, lse, **options):
+    """One ring over q, k, v (one head group): out in the accumulators' dtype (lse's), ``lse``
+    (a view) written in place."""
+    out = xp.empty(q.shape, lse.dtype)
+    mine = chunks_of(ring.rank, ring.size, layout)
+    held = _ring_buffers(xp, [k, v], ring.size)
+    written = 0   # the first step's rows below this were written; later calls merge into them
+    for step in range(ring.size):
+        pending = ring.start(held[step], held[step + 1]) if step + 1 < ring.size else None
+        kh, vh = held[step]
+        src = (ring.rank - step) % ring.size
+        for q0, q1, k0, k1, window in _plan(mine, chunks_of(src, ring.size, layout), c, band):
+            o, l = flash_attention(q[:, q0:q1], kh[:, k0:k1], vh[:, k0:k1], window_size=window,
+                                   return_lse=True, **options)
+            # The first step holds each q chunk's own chunk, whose call comes first among the
+            # chunk's (the plan goes chunk by chunk) and covers every row of it (a row sees
+            # itself): written, not merged.
+            if step == 0 and q0 >= written:
+                out[:, q0:q1], lse[:, :, q0:q1] = o, l
+                written = q1
+            else:
+                _accumulate(xp, out[:, q0:q1], lse[:, :, q0:q1], o, l)
+        if pending is not None:
+            pending.wait()
+    return out
+
+
 def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, softmax_scale=None,
-                            window_size=(-1, -1), softcap=0.0, layout="zigzag"):
+                            window_size=(-1, -1), softcap=0.0, layout="zigzag", head_groups=None):
     """Gradients of ``ring_attention``: (dq, dk, dv) of this rank's shards, in their dtypes.
     ``out`` and ``lse`` are this rank's results of the forward (``return_lse=True``); the other
-    arguments as there."""
+    arguments as there (``head_groups`` need not be the forward's)."""
     names = ["dout", "q", "k", "v", "out", "lse"]
-    got, caller, xp, ring, c, band = _setup(names, [dout, q, k, v, out, lse], group, layout, causal,
-                                            window_size)
+    got, caller, xp, ring, c, band, groups = _setup(names, [dout, q, k, v, out, lse], group, layout, causal,
+                                                    window_size, head_groups)
     dout, q, k, v, out, lse = (got[n] for n in names)
-    acc = _config.lse_dtype(q.dtype)   # the accumulators' dtype is lse's
     with _arrays.launch_context(caller):
-        dq = xp.zeros(q.shape, acc)
-        mine = chunks_of(ring.rank, ring.size, layout)
-        held = _ring_buffers(xp, [k, v], ring.size)
-        # dK/dV of the shard in hand travel with it; the step after the last brings each home.
-        grads = [[xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)] for _ in range(min(2, ring.size))]
-        pending_grads = None
-        for step in range(ring.size):
-            pending = ring.start(held[step], held[step + 1]) if step + 1 < ring.size else None
-            kh, vh = held[step]
-            dk, dv = grads[step % len(grads)]
-            src = (ring.rank - step) % ring.size
-            parts = []
-            for q0, q1, k0, k1, window in _plan(mine, chunks_of(src, ring.size, layout), c, band):
-                parts.append((q0, q1, k0, k1) + tuple(flash_attention_backward(
-                    dout[:, q0:q1], q[:, q0:q1], kh[:, k0:k1], vh[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1],
-                    window_size=window, softmax_scale=softmax_scale, softcap=softcap)))
-            if pending_grads is not None:
-                pending_grads.wait()    # this step's accumulators have arrived
-            for q0, q1, k0, k1, gq, gk, gv in parts:
-                dq[:, q0:q1] += gq.astype(acc)
-                dk[:, k0:k1] += gk.astype(acc)
-                dv[:, k0:k1] += gv.astype(acc)
-            if ring.size > 1:
-                nxt = grads[(step + 1) % len(grads)]
-                pending_grads = ring.start([dk, dv], nxt)
-            if pending is not None:
-                pending.wait()
+        dq, dk, dv = xp.empty(q.shape, q.dtype), xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype)
+        for qh, kh in groups:
+            dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = _ring_backward(
+                xp, ring, layout, c, band, dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh],
+                out[:, :, qh], lse[:, qh], softmax_scale=softmax_scale, softcap=softcap)
+        return tuple(_arrays.to_caller(g, caller) for g in (dq, dk, dv))
+
+
+def _ring_backward(xp, ring, layout, c, band, dout, q, k, v, out, lse, **options):
+    """One ring's gradients (one head group): dq, dk, dv in the accumulators' dtype (lse's)."""
+    acc = lse.dtype
+    dq = xp.zeros(q.shape, acc)
+    mine = chunks_of(ring.rank, ring.size, layout)
+    held = _ring_buffers(xp, [k, v], ring.size)
+    # dK/dV of the shard in hand travel with it; the step after the last brings each home.
+    grads = [[xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)] for _ in range(min(2, ring.size))]
+    pending_grads = None
+    for step in range(ring.size):
+        pending = ring.start(held[step], held[step + 1]) if step + 1 < ring.size else None
+        kh, vh = held[step]
+        dk, dv = grads[step % len(grads)]
+        src = (ring.rank - step) % ring.size
+        parts = []
+        for q0, q1, k0, k1, window in _plan(mine, chunks_of(src, ring.size, layout), c, band):
+            parts.append((q0, q1, k0, k1) + tuple(flash_attention_backward(
+                dout[:, q0:q1], q[:, q0:q1], kh[:, k0:k1], vh[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1],
+                window_size=window, **options)))
         if pending_grads is not None:
-            pending_grads.wait()
-        dk, dv = grads[ring.size % len(grads)]
-        return tuple(_arrays.to_caller(g.astype(x.dtype), caller) for g, x in ((dq, q), (dk, k), (dv, v)))
+            pending_grads.wait()    # this step's accumulators have arrived
+        for q0, q1, k0, k1, gq, gk, gv in parts:
+            dq[:, q0:q1] += gq.astype(acc)
+            dk[:, k0:k1] += gk.astype(acc)
+            dv[:, k0:k1] += gv.astype(acc)
+        if ring.size > 1:
+            nxt = grads[(step + 1) % len(grads)]
+            pending_grads = ring.start([dk, dv], nxt)
+        if pending is not None:
+            pending.wait()
+    if pending_grads is not None:
+        pending_grads.wait()
+    dk, dv = grads[ring.size % len(grads)]
+    return dq, dk, dv

@@ -307,7 +307,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                   softcap=0.0, layout="zigzag", return_lse=False):
+                   softcap=0.0, layout="zigzag", head_groups=None, return_lse=False):
     """``cupyflash.distributed.ring_attention`` for PyTorch tensors, with autograd: this rank's
     shards of q, k and v (batch, seqlen_local, nheads, headdim; ``cupyflash.distributed.shard``
     cuts them) on its CUDA device; ``group`` a ``torch.distributed`` process group (None: the
@@ -315,7 +315,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
     gives the gradients of this rank's shards (the backward runs the ring again, so every rank
     must call it). Eager only: ``torch.compile`` breaks the graph here."""
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                   layout=layout)
+                   layout=layout, head_groups=head_groups)
     out, lse = _RingAttention.apply(q, k, v, group, options)
     return (out, lse) if return_lse else out
 

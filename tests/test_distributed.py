@@ -86,6 +86,33 @@ def test_numpy_ring_window_equals_one_call(world, layout, window_size, causal):
         np.testing.assert_allclose(g, ref, rtol=1e-11, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("head_groups,world,causal,window_size", [
+    (2, 2, True, (-1, -1)), (4, 3, False, (-1, -1)), (2, 3, False, (6, 9)), (4, 1, True, (-1, -1))])
+def test_numpy_ring_head_groups_equal_one_call(head_groups, world, causal, window_size):
+    """float64, GQA 8 / 4: heads in groups, one ring each (every group's query heads those of
+    its KV heads), give one call's out, lse and gradients over the whole sequence."""
+    q, k, v, dout = inputs(np, np.float64, 2, world * 2 * 5, 8, 4, 16, 3 * world + head_groups)
+    kw = dict(causal=causal, window_size=window_size)
+    out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = cf.flash_attention_backward(dout, q, k, v, out, lse, **kw)
+    got = ring_call(world, "zigzag", q, k, v, dout, head_groups=head_groups, **kw)
+    for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, (out, lse) + tuple(grads)):
+        assert g.dtype == ref.dtype and g.shape == ref.shape, name
+        np.testing.assert_allclose(g, ref, rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def test_default_head_groups():
+    """None: the most groups (a divisor of nheads_k) whose k shards keep GROUP_BYTES; GQA's
+    query heads go with their KV head."""
+    g = cfd.GROUP_BYTES
+    assert len(cfd._head_groups(16, 16, g - 1, None)) == 1
+    assert len(cfd._head_groups(16, 16, 16 * g, None)) == 16
+    assert len(cfd._head_groups(16, 16, 5 * g, None)) == 4
+    assert len(cfd._head_groups(16, 16, 1000 * g, None)) == 16
+    assert cfd._head_groups(8, 2, 2 * g, None) == [(slice(0, 4), slice(0, 1)), (slice(4, 8), slice(1, 2))]
+    assert cfd._head_groups(6, 3, 0, 3)[2] == (slice(4, 6), slice(2, 3))
+
+
 def test_window_calls_reach_only_the_band():
     """Each windowed call's rows and keys are exactly the pairs the band reaches: over all
     ranks and steps, the visible pairs (window inside each call, bottom-right aligned) are the
@@ -197,23 +224,36 @@ def test_bad_inputs():
         cfd.ring_attention(q, q, q, object())
     with pytest.raises(ValueError, match="rank must be in"):
         cfd.LocalRing(2).member(2)
+    four = np.zeros((1, 6, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=r"head_groups must divide nheads_k \(4\), got 3"):
+        cfd.ring_attention(four, four, four, member, head_groups=3)
+    with pytest.raises(ValueError, match=r"head_groups must be <= 2, got 4"):
+        cfd.ring_attention(q, q, q, member, head_groups=4)
+    with pytest.raises(ValueError, match=r"head_groups must be >= 1, got 0"):
+        cfd.ring_attention(q, q, q, member, head_groups=0)
+    with pytest.raises(TypeError, match="head_groups must be an integer, got float 1.0"):
+        cfd.ring_attention_backward(q, q, q, q, q, np.zeros((1, 2, 6), np.float32), member, head_groups=1.0)
+    gqa = np.zeros((1, 6, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="k and v must have the same number of heads, dividing q's: q has 2, k 4"):
+        cfd.ring_attention(q, gqa, gqa, member)
 
 
 # --- GPU: the ranks as threads on one device --------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world,layout,causal,dtype", [
-    (2, "zigzag", True, "bf16"), (4, "zigzag", True, "fp16"), (3, "zigzag", False, "bf16"),
-    (2, "contiguous", True, "bf16")])
-def test_gpu_ring_under_the_rule(world, layout, causal, dtype, request):
+@pytest.mark.parametrize("world,layout,causal,dtype,head_groups", [
+    (2, "zigzag", True, "bf16", None), (4, "zigzag", True, "fp16", None), (3, "zigzag", False, "bf16", None),
+    (2, "contiguous", True, "bf16", None), (3, "zigzag", True, "bf16", 2)])
+def test_gpu_ring_under_the_rule(world, layout, causal, dtype, head_groups, request):
     """The GPU kernels (whatever family the device runs) over a ring of threads: out, lse and
-    gradients against the float64 reference, chunks of 97 rows (odd tails in every tile)."""
+    gradients against the float64 reference, chunks of 97 rows (odd tails in every tile); with
+    head groups, the kernels read strided head slices of the shards."""
     import cupy as cp
     per = 2 if layout == "zigzag" else 1
     seqlen = world * per * 97
     case = Case(dtype, seqlen, seqlen, 128, causal, batch=2, nheads=4, nheads_k=2)
     q, k, v, dout = inputs(cp, DTYPES[dtype], 2, seqlen, 4, 2, 128, seed_of(request))
-    out, lse, dq, dk, dv = ring_call(world, layout, q, k, v, dout, causal=causal)
+    out, lse, dq, dk, dv = ring_call(world, layout, q, k, v, dout, causal=causal, head_groups=head_groups)
     check_forward(case, q, k, v, out, lse, 128 ** -0.5)
     check_backward(case, dout, q, k, v, (dq, dk, dv), 128 ** -0.5, out=out, lse=lse)
 
