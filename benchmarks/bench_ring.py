@@ -346,19 +346,20 @@ def _longest(probe, guess):
     did not, the probes)."""
     lo = hi = None
     s = max(GRANULE, guess // GRANULE * GRANULE)
-    probes = []
+    probes, step = [], 1.08     # until both sides are found, each step 1.5x the last
     while hi is None or lo is None or hi - lo > GRANULE:
         ok, info = probe(s)
         probes.append(dict(seqlen=s, **info))
         print(f"  probe {s}: {'ran' if ok else 'did not run'} {json.dumps(info)[:160]}", flush=True)
+        step = 1 + (step - 1) * 1.5
         if ok:
             lo = s
-            s = int(s * 1.08) if hi is None else (lo + hi) // 2
+            s = int(s * step) if hi is None else (lo + hi) // 2
         else:
             hi = s
             if s == GRANULE:
                 break
-            s = int(s / 1.08) if lo is None else (lo + hi) // 2
+            s = int(s / step) if lo is None else (lo + hi) // 2
         s = max(GRANULE, s // GRANULE * GRANULE)
         if lo is not None and hi is not None and s in (lo, hi):
             break
