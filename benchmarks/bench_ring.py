@@ -33,6 +33,7 @@ a table last.
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -176,8 +177,9 @@ def _rank(rank, world, nccl_id, job, results):
         ring = cfd.as_ring(comm)
         if job["mode"] == "memory":
             barrier()
-            out, lse = cfd.ring_attention(q, k, v, ring, causal=True, return_lse=True)
-            grads = cfd.ring_attention_backward(dout, q, k, v, out, lse, ring, causal=True)
+            out, lse = cfd.ring_attention(q, k, v, ring, causal=True, return_lse=True, head_groups=job["head_groups"])
+            grads = cfd.ring_attention_backward(dout, q, k, v, out, lse, ring, causal=True,
+                                                head_groups=job["head_groups"])
             cp.cuda.get_current_stream().synchronize()
             del grads
             results.put((rank, dict(ok=True, pool_bytes=cp.get_default_memory_pool().total_bytes(),
@@ -190,11 +192,13 @@ def _rank(rank, world, nccl_id, job, results):
 
             def fwd(group=group, kept=kept):
                 barrier()
-                kept["out"], kept["lse"] = cfd.ring_attention(q, k, v, group, causal=True, return_lse=True)
+                kept["out"], kept["lse"] = cfd.ring_attention(q, k, v, group, causal=True, return_lse=True,
+                                                              head_groups=job["head_groups"])
 
             def bwd(group=group, kept=kept):
                 barrier()
-                cfd.ring_attention_backward(dout, q, k, v, kept["out"], kept["lse"], group, causal=True)
+                cfd.ring_attention_backward(dout, q, k, v, kept["out"], kept["lse"], group, causal=True,
+                                            head_groups=job["head_groups"])
             row[f"{name}_fwd_ms"] = _time(cp, fwd, job["reps"], job["warmup"])
             row[f"{name}_bwd_ms"] = _time(cp, bwd, job["reps"], job["warmup"])
             if name == "ring":
@@ -299,7 +303,7 @@ def _scaling(args, cp, cf, doc, path):
         for world in args.worlds:
             overlap = seqlen <= args.overlap_max
             job = dict(mode="time", seqlen=seqlen, seed=args.seed, reps=args.reps, overlap=overlap,
-                       warmup=seqlen <= args.warmup_max)
+                       warmup=seqlen <= args.warmup_max, head_groups=args.head_groups)
             t0 = time.perf_counter()
             ranks = _run_ring(world, job, args.timeout)
             row = dict(impl="ring", seqlen=seqlen, world=world, wall_s=time.perf_counter() - t0,
@@ -385,7 +389,7 @@ def _memory(args, cp, cf, doc, path):
                 return got["ok"], got
         else:
             def probe(s, world=world):
-                job = dict(mode="memory", seqlen=s, seed=args.seed, limit=limit)
+                job = dict(mode="memory", seqlen=s, seed=args.seed, limit=limit, head_groups=args.head_groups)
                 ranks = _run_ring(world, job, args.timeout)
                 ok = len(ranks) == world and all(x.get("ok") for x in ranks.values())
                 return ok, {str(r): x for r, x in sorted(ranks.items())}
@@ -403,6 +407,11 @@ def _memory(args, cp, cf, doc, path):
                      f"{row.get('x_one_gpu', float('nan')):.2f} |")
         print(lines[-1], flush=True)
     return lines
+
+
+def nccl_version():
+    from cupy.cuda import nccl
+    return nccl.get_version()
 
 
 def bench_write(doc, path):
@@ -423,6 +432,7 @@ def main():
     ap.add_argument("--no-one-gpu", action="store_true", help="no one-GPU call")
     ap.add_argument("--memory-gib", type=float, default=0, help="longest-sequence search under this pool limit")
     ap.add_argument("--timeout", type=float, default=900, help="seconds a ring run may take")
+    ap.add_argument("--head-groups", type=int, default=None, help="ring_attention's head_groups (default: its own)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     import cupy as cp
@@ -440,7 +450,9 @@ def main():
     name = "bench_ring_memory" if args.memory_gib else "bench_ring"
     path = Path(args.out) / f"{name}.json"
     doc = bench.report(name, [], heads=HEADS, headdim=HEADDIM, dtype="bfloat16", causal=True, layout="zigzag",
-                       gpus=gpus, memory_gib=args.memory_gib or None, reps=args.reps)
+                       gpus=gpus, memory_gib=args.memory_gib or None, reps=args.reps,
+                       head_groups=args.head_groups, nccl=nccl_version(),
+                       nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
     lines = (_memory if args.memory_gib else _scaling)(args, cp, cf, doc, path)
     print("\n".join(lines))
 

@@ -27,8 +27,9 @@ SECONDS=0
 import cupy as cp
 import ml_dtypes
 import cupyflash as cf
-from cupyflash import bench
-print(bench.versions())
+from cupy.cuda import nccl
+from cupyflash.bench import reports
+print(reports.versions(), "nccl", nccl.get_version())
 # Causal and plain calls of 8K+ rows pick the same kernels as the ring's shards.
 for n, causal in ((8192, True), (8192, False), (4096, True)):
     q, k, v = (cp.random.standard_normal((1, n, 2, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16)
