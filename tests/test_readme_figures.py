@@ -151,3 +151,50 @@ def test_readme_80_query_step_gains_are_the_cited_runs():
     found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", causal_calls)}
     assert found == {s // 1024: gains(causal)[f"128:{s}:1:bwd"] for s in (4096, 8192, 16384)}
     assert _launch.SM90_BWD_CAUSAL_80_FROM == 8192 and "causal calls of 8K query rows or more" in text
+
+
+def _ring_measured():
+    text = (ROOT / "README.md").read_text()
+    start = text.index("**Measured** on 4 H200s of one host")
+    return text[start:text.index("## Using it from PyTorch", start)]
+
+
+def test_readme_ring_figures_are_the_cited_runs():
+    """The ring's scaling table (seconds, efficiency, TFLOP/s per GPU), the 2-GPU fractions of
+    one GPU's time and the longest-sequence table are the bench_ring JSONs they name; a row
+    whose source is "same run" reads the row above's file, and efficiency is against the first
+    row of its size."""
+    text = _ring_measured()
+    tokens = {"1M": 1 << 20, "4M": 4 << 20}
+    path, base, measured = None, {}, {}
+    for line in re.findall(r"^\| ([14]M) \| (\d) \| (.*)\|$", text, re.M):
+        size, world, rest = line[0], int(line[1]), [c.strip() for c in line[2].split("|")]
+        if rest[0].startswith("predicted"):
+            continue
+        if rest[-1] != "same run":
+            (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", rest[-1])
+        rows = json.loads((ROOT / path).read_text())["rows"]
+        (row,) = [r for r in rows if r["seqlen"] == tokens[size] and r["world"] == world]
+        fwd_s, bwd_s = row["fwd_ms"] / 1e3, row["bwd_ms"] / 1e3
+        assert (float(rest[0]), float(rest[1])) == (round(fwd_s, 2), round(bwd_s, 2)), line
+        base.setdefault(size, (world, fwd_s, bwd_s))
+        w0, f0, b0 = base[size]
+        eff = [float(x) for x in rest[2].split(" / ")]
+        assert eff == [round(w0 * f0 / (world * fwd_s), 3), round(w0 * b0 / (world * bwd_s), 3)], line
+        flops = 4 * tokens[size] ** 2 * 16 * 128 / 2
+        tflops = [int(x) for x in rest[3].split(" / ")]
+        assert tflops == [round(flops / world / fwd_s / 1e12), round(2.5 * flops / world / bwd_s / 1e12)], line
+        measured[(size, world)] = (fwd_s, bwd_s)
+    assert len(measured) == 5
+    fractions = re.search(r"2 GPUs take ([\d.]+)x \(forward\) and ([\d.]+)x \(backward\) of one GPU's time", text)
+    assert [float(x) for x in fractions.groups()] == [
+        round(measured[("1M", 2)][i] / measured[("1M", 1)][i], 3) for i in range(2)]
+    start = text.index("Longest sequence (forward and backward)")
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", text[start:start + 600])
+    rows = {r["world"]: r for r in json.loads((ROOT / path).read_text())["rows"]}
+    table = re.findall(r"^\| (\d) \| (\d+) \| (\d+) \| ([\d.]+) \|$", text[start:], re.M)
+    assert len(table) == 3
+    for world, longest, failed, times in table:
+        r = rows[int(world)]
+        assert (int(longest), int(failed)) == (r["longest"], r["first_failed"])
+        assert float(times) == round(r["longest"] / rows[1]["longest"], 2)
