@@ -25,7 +25,9 @@ terms of its own keys (no rank gathers the sequence).
 Longest sequence (``--memory-gib X``): with the CuPy pool of each GPU limited to X GiB, the
 longest sequence (a multiple of 4096 tokens) whose forward and backward run, for one call on
 one GPU (world 1) and for the ring over W GPUs, found by bisection from a first guess; memory
-per token is the same at any X, so the ratio carries to the whole card.
+per token is the same at any X, so the ratio carries to the whole card. Each probe records the
+pool's and the device's bytes against the unavoidable ones (q, k, v, dout, out, dq, dk, dv,
+lse), and every ring probe that ran checks its sampled rows (after lifting the limit).
 
 Writes DIR/bench_ring.json (scaling) or DIR/bench_ring_memory.json after every step and prints
 a table last.
@@ -88,6 +90,12 @@ def _time(cp, fn, reps, warmup):
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end))
     return min(times)
+
+
+def _unavoidable(tokens):
+    """Bytes a forward and backward cannot do without over ``tokens`` rows: q, k, v, dout, out,
+    dq, dk, dv (bf16) and lse (float32)."""
+    return tokens * HEADS * (8 * HEADDIM * 2 + 4)
 
 
 def _used_bytes(cp):
@@ -181,9 +189,12 @@ def _rank(rank, world, nccl_id, job, results):
             grads = cfd.ring_attention_backward(dout, q, k, v, out, lse, ring, causal=True,
                                                 head_groups=job["head_groups"])
             cp.cuda.get_current_stream().synchronize()
+            row = dict(ok=True, pool_bytes=cp.get_default_memory_pool().total_bytes(), used_bytes=_used_bytes(cp),
+                       unavoidable_bytes=_unavoidable(q.shape[1]))
             del grads
-            results.put((rank, dict(ok=True, pool_bytes=cp.get_default_memory_pool().total_bytes(),
-                                    used_bytes=_used_bytes(cp))))
+            cp.get_default_memory_pool().set_limit(size=0)     # the check's own arrays are not the ring's
+            row.update(_sampled_check(cp, comm, rank, world, seqlen, q, k, v, out, lse))
+            results.put((rank, row))
             return
         row = {}
         adapters = [("ring", ring)] + ([("compute", _Silent(rank, world))] if job["overlap"] else [])
@@ -275,7 +286,8 @@ def _one_gpu(cp, cf, seqlen, args, memory=False):
             fwd()
             bwd()
             cp.cuda.get_current_stream().synchronize()
-            return dict(ok=True, pool_bytes=pool.total_bytes(), used_bytes=_used_bytes(cp))
+            return dict(ok=True, pool_bytes=pool.total_bytes(), used_bytes=_used_bytes(cp),
+                        unavoidable_bytes=_unavoidable(seqlen))
         row = dict(fwd_ms=_time(cp, fwd, args.reps, True), bwd_ms=_time(cp, bwd, args.reps, True))
         return dict(row, ok=True, peak_bytes=pool.total_bytes(), used_bytes=_used_bytes(cp))
     except cp.cuda.memory.OutOfMemoryError as e:
@@ -374,7 +386,6 @@ def _memory(args, cp, cf, doc, path):
     limit = int(args.memory_gib * 2**30)
     lines = ["| GPUs | longest (tokens) | first that failed | tokens per GiB of pool | x one GPU |",
              "|---|---|---|---|---|"]
-    one_longest = None
     for world in args.worlds:
         # First guess: one call holds ~40 KB per token (16 heads x 128 x bf16: q, k, v, out,
         # dout, dq, dk, dv and the float32 dQ buffer); the ring's shards about as much.
@@ -397,15 +408,16 @@ def _memory(args, cp, cf, doc, path):
         lo, hi, probes = _longest(probe, guess)
         row = dict(impl="one_gpu" if world == 1 else "ring", world=world, pool_limit_bytes=limit,
                    longest=lo, first_failed=hi, probes=probes, wall_s=time.perf_counter() - t0)
-        if world == 1:
-            one_longest = lo
-        if lo and one_longest:
-            row["x_one_gpu"] = lo / one_longest
         doc["rows"].append(row)
         bench_write(doc, path)
-        lines.append(f"| {world} | {lo} | {hi} | {lo / args.memory_gib if lo else 0:.0f} | "
-                     f"{row.get('x_one_gpu', float('nan')):.2f} |")
-        print(lines[-1], flush=True)
+        print(f"GPUs {world}: longest {lo}, first that failed {hi}", flush=True)
+    one = [r["longest"] for r in doc["rows"] if r["world"] == 1 and r["longest"]]
+    for row in doc["rows"]:
+        if one and row["longest"]:
+            row["x_one_gpu"] = row["longest"] / one[0]
+        lines.append(f"| {row['world']} | {row['longest']} | {row['first_failed']} | "
+                     f"{(row['longest'] or 0) / args.memory_gib:.0f} | {row.get('x_one_gpu', float('nan')):.2f} |")
+    bench_write(doc, path)
     return lines
 
 
