@@ -45,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-HEADS, HEADDIM, SAMPLED, BLOCKS, GRANULE = 16, 128, 16, 16, 4096
+HEADS, HEADDIM, SAMPLED, BLOCKS, GRANULE, WARM_ROWS = 16, 128, 16, 16, 4096, 16384
 
 
 def _flops(seqlen):
@@ -196,6 +196,12 @@ def _rank(rank, world, nccl_id, job, results):
             row.update(_sampled_check(cp, comm, rank, world, seqlen, q, k, v, out, lse))
             results.put((rank, row))
             return
+        # A short ring first, untimed: its calls of 8K-row chunks take the kernels of the long
+        # ones (80-query steps from 8K rows), so that no timed call compiles, warm-up or not.
+        small = [x[:, :WARM_ROWS] for x in (q, k, v, dout)]
+        o, l = cfd.ring_attention(*small[:3], ring, causal=True, return_lse=True, head_groups=job["head_groups"])
+        cfd.ring_attention_backward(small[3], *small[:3], o, l, ring, causal=True, head_groups=job["head_groups"])
+        del small, o, l
         row = {}
         adapters = [("ring", ring)] + ([("compute", _Silent(rank, world))] if job["overlap"] else [])
         for name, group in adapters:
