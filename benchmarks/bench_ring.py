@@ -376,12 +376,12 @@ def _longest(probe, guess):
         step = 1 + (step - 1) * 1.5
         if ok:
             lo = s
-            s = int(s * step) if hi is None else (lo + hi) // 2
+            s = max(int(s * step), s + GRANULE) if hi is None else (lo + hi) // 2
         else:
             hi = s
             if s == GRANULE:
                 break
-            s = int(s / step) if lo is None else (lo + hi) // 2
+            s = min(int(s / step), s - GRANULE) if lo is None else (lo + hi) // 2
         s = max(GRANULE, s // GRANULE * GRANULE)
         if lo is not None and hi is not None and s in (lo, hi):
             break
