@@ -140,8 +140,9 @@ def _sampled_check(cp, comm, rank, world, seqlen, q, k, v, out, lse):
     """Out and lse of SAMPLED random local rows against float32 over every key: each rank adds
     up, per sampled row of every rank, the max, sum and weighted values over its own keys;
     the partial sums are gathered and merged."""
+    from cupyflash.distributed import chunks_of
     c = q.shape[1] // 2
-    chunks = [rank, 2 * world - 1 - rank]
+    chunks = chunks_of(rank, world)
     local = np.sort(np.random.default_rng(rank).choice(q.shape[1], SAMPLED, replace=False))
     positions = np.array([chunks[i // c] * c + i % c for i in local])
     keys_at = cp.asarray(np.concatenate([np.arange(x * c, (x + 1) * c) for x in chunks]))
@@ -172,6 +173,13 @@ def _sampled_check(cp, comm, rank, world, seqlen, q, k, v, out, lse):
                 sampled_lse_max_abs_err=float(abs(got_lse - ref_lse).max()))
 
 
+def _forward_backward(cfd, ring, q, k, v, dout, head_groups):
+    """One causal ring_attention and its backward: out, lse and the gradients."""
+    out, lse = cfd.ring_attention(q, k, v, ring, causal=True, return_lse=True, head_groups=head_groups)
+    return out, lse, cfd.ring_attention_backward(dout, q, k, v, out, lse, ring, causal=True,
+                                                 head_groups=head_groups)
+
+
 def _rank(rank, world, nccl_id, job, results):
     """One rank of a timed ring (job["mode"] == "time") or of a memory probe ("memory")."""
     import cupy as cp
@@ -185,9 +193,7 @@ def _rank(rank, world, nccl_id, job, results):
         ring = cfd.as_ring(comm)
         if job["mode"] == "memory":
             barrier()
-            out, lse = cfd.ring_attention(q, k, v, ring, causal=True, return_lse=True, head_groups=job["head_groups"])
-            grads = cfd.ring_attention_backward(dout, q, k, v, out, lse, ring, causal=True,
-                                                head_groups=job["head_groups"])
+            out, lse, grads = _forward_backward(cfd, ring, q, k, v, dout, job["head_groups"])
             cp.cuda.get_current_stream().synchronize()
             row = dict(ok=True, pool_bytes=cp.get_default_memory_pool().total_bytes(), used_bytes=_used_bytes(cp),
                        unavoidable_bytes=_unavoidable(q.shape[1]))
@@ -198,10 +204,7 @@ def _rank(rank, world, nccl_id, job, results):
             return
         # A short ring first, untimed: its calls of 8K-row chunks take the kernels of the long
         # ones (80-query steps from 8K rows), so that no timed call compiles, warm-up or not.
-        small = [x[:, :WARM_ROWS] for x in (q, k, v, dout)]
-        o, l = cfd.ring_attention(*small[:3], ring, causal=True, return_lse=True, head_groups=job["head_groups"])
-        cfd.ring_attention_backward(small[3], *small[:3], o, l, ring, causal=True, head_groups=job["head_groups"])
-        del small, o, l
+        _forward_backward(cfd, ring, *(x[:, :WARM_ROWS] for x in (q, k, v, dout)), job["head_groups"])
         row = {}
         adapters = [("ring", ring)] + ([("compute", _Silent(rank, world))] if job["overlap"] else [])
         for name, group in adapters:
@@ -340,11 +343,9 @@ def _scaling(args, cp, cf, doc, path):
                         comm = max(x[f"comm_{ps}_ms"] for x in ranks.values())
                         row[f"{ps}_compute_ms"], row[f"{ps}_comm_ms"] = compute, comm
                         row[f"{ps}_hidden"] = min(1.0, max(0.0, (compute + comm - ms) / comm))
-                row["peak_bytes"] = max(x["peak_bytes"] for x in ranks.values())
-                row["used_bytes"] = max(x["used_bytes"] for x in ranks.values())
-                row["sampled_max_abs_err"] = max(x["sampled_max_abs_err"] for x in ranks.values())
-                row["sampled_ref_max_abs"] = max(x["sampled_ref_max_abs"] for x in ranks.values())
-                row["sampled_lse_max_abs_err"] = max(x["sampled_lse_max_abs_err"] for x in ranks.values())
+                for key in ("peak_bytes", "used_bytes", "sampled_max_abs_err", "sampled_ref_max_abs",
+                            "sampled_lse_max_abs_err"):
+                    row[key] = max(x[key] for x in ranks.values())
                 if base is None:
                     base = (world, row["fwd_ms"], row["bwd_ms"])
                     row["fwd_efficiency"] = row["bwd_efficiency"] = 1.0
@@ -427,11 +428,6 @@ def _memory(args, cp, cf, doc, path):
     return lines
 
 
-def nccl_version():
-    from cupy.cuda import nccl
-    return nccl.get_version()
-
-
 def bench_write(doc, path):
     from cupyflash import bench
     bench.write_json(path, doc)
@@ -454,6 +450,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     import cupy as cp
+    from cupy.cuda import nccl
     import cupyflash as cf
     from cupyflash import bench
     gpus = cp.cuda.runtime.getDeviceCount()
@@ -469,7 +466,7 @@ def main():
     path = Path(args.out) / f"{name}.json"
     doc = bench.report(name, [], heads=HEADS, headdim=HEADDIM, dtype="bfloat16", causal=True, layout="zigzag",
                        gpus=gpus, memory_gib=args.memory_gib or None, reps=args.reps,
-                       head_groups=args.head_groups, nccl=nccl_version(),
+                       head_groups=args.head_groups, nccl=nccl.get_version(),
                        nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
     lines = (_memory if args.memory_gib else _scaling)(args, cp, cf, doc, path)
     print("\n".join(lines))

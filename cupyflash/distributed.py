@@ -403,9 +403,9 @@ def ring_attention(q, k, v, group, *, causal=False, softmax_scale=None, window_s
     with _arrays.launch_context(caller):
         out = xp.empty(q.shape, q.dtype)
         lse = xp.empty((q.shape[0], q.shape[2], q.shape[1]), _config.lse_dtype(q.dtype))
-        for qh, kh in groups:
-            out[:, :, qh] = _ring_forward(xp, ring, layout, c, band, q[:, :, qh], k[:, :, kh], v[:, :, kh],
-                                          lse[:, qh], softmax_scale=softmax_scale, softcap=softcap)
+        for qs, ks in groups:
+            out[:, :, qs] = _ring_forward(xp, ring, layout, c, band, q[:, :, qs], k[:, :, ks], v[:, :, ks],
+                                          lse[:, qs], softmax_scale=softmax_scale, softcap=softcap)
         out = _arrays.to_caller(out, caller)
         return (out, _arrays.to_caller(lse, caller)) if return_lse else out
 
@@ -448,10 +448,10 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sof
     dout, q, k, v, out, lse = (got[n] for n in names)
     with _arrays.launch_context(caller):
         dq, dk, dv = xp.empty(q.shape, q.dtype), xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype)
-        for qh, kh in groups:
-            dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = _ring_backward(
-                xp, ring, layout, c, band, dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh],
-                out[:, :, qh], lse[:, qh], softmax_scale=softmax_scale, softcap=softcap)
+        for qs, ks in groups:
+            dq[:, :, qs], dk[:, :, ks], dv[:, :, ks] = _ring_backward(
+                xp, ring, layout, c, band, dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
+                out[:, :, qs], lse[:, qs], softmax_scale=softmax_scale, softcap=softcap)
         return tuple(_arrays.to_caller(g, caller) for g in (dq, dk, dv))
 
 
