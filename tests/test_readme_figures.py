@@ -199,3 +199,54 @@ def test_readme_ring_figures_are_the_cited_runs():
             r = rows[int(world)]
             assert (int(longest), int(failed)) == (r["longest"], r["first_failed"])
             assert float(times) == round(r["longest"] / rows[1]["longest"], 2)
+
+
+def _ring_rows(name):
+    return json.loads((ROOT / "benchmarks/results" / name).read_text())["rows"]
+
+
+def test_readme_ring_memory_and_transfer_figures_are_the_runs():
+    """The per-token KiB, the pool against the unavoidable bytes, the sampled errors and the
+    transfers' costs that README's ring paragraphs give, from the JSONs its tables cite."""
+    text = (ROOT / "README.md").read_text()
+    memory = {r["world"]: r for r in _ring_rows("2026-11-28_h200x4_ring_memory_12gib_18ca486.json")}
+    at_longest = {w: next(p for p in r["probes"] if p["seqlen"] == r["longest"]) for w, r in memory.items()}
+    one = at_longest[1]
+    ranks = {w: list(at_longest[w][k] for k in at_longest[w] if k != "seqlen") for w in (2, 4)}
+    kib_one = round(one["pool_bytes"] / memory[1]["longest"] / 1024, 1)
+    kib_ring = [round(max(x["pool_bytes"] for x in ranks[w]) / (memory[w]["longest"] / w) / 1024, 1) for w in (2, 4)]
+    assert f"{kib_ring[0]} KiB per token of its shard" in text and f"against {kib_one} KiB per token" in text
+    assert f"That is {kib_one} KiB per token for one call" in text
+    assert f"and {kib_ring[0]}-{kib_ring[1]} KiB per token of a rank's shard" in text
+    ratios = [x["pool_bytes"] / x["unavoidable_bytes"] for w in (2, 4) for x in ranks[w]]
+    assert (f"the pool holds {one['pool_bytes'] / one['unavoidable_bytes']:.2f}x" in text
+            and f"{min(ratios):.2f}-{max(ratios):.2f}x on a rank of the ring" in text)
+    sampled = [x for w in (2, 4) for x in ranks[w]]
+    err = max(x["sampled_max_abs_err"] for x in sampled)
+    assert f"out within {err:.1e}".replace("e-0", "e-") + f", values up to {max(x['sampled_ref_max_abs'] for x in sampled):.2f}" in text
+    assert float(re.search(r"lse within ([\d.e-]+)\)", text).group(1)) >= max(
+        x["sampled_lse_max_abs_err"] for x in sampled)
+    # The scaling runs' sampled rows: a bound given to two digits, rounded up.
+    scaling = [r for name in ("2026-11-28_h200x4_ring_1m_63fa20d.json", "2026-11-28_h200x4_ring_4m_w2_857b798.json",
+                              "2026-11-28_h200x4_ring_4m_w2_w4_857b798.json")
+               for r in _ring_rows(name) if r["impl"] == "ring"]
+    bound, values = re.search(r"out within ([\d.e-]+) \(values\s+up to ([\d.]+), bf16 results\)", text).groups()
+    err = max(r["sampled_max_abs_err"] for r in scaling)
+    assert err <= float(bound) < err + 1e-5
+    assert float(values) == round(max(r["sampled_ref_max_abs"] for r in scaling), 3)
+    # The transfers at 1M tokens over 2 GPUs (two runs) and 4 GPUs (one).
+    runs = [r for name in ("2026-11-28_h200x4_ring_1m_63fa20d.json", "2026-11-28_h200x4_ring_1m_w2_groups16_857b798.json")
+            for r in _ring_rows(name) if r["impl"] == "ring"]
+    two = [r for r in runs if r["world"] == 2]
+    (four,) = [r for r in runs if r["world"] == 4]
+
+    def spread(values, fmt):
+        return f"{min(values):{fmt}}-{max(values):{fmt}}"
+    assert f"takes {round(two[0]['fwd_comm_ms'])} ms alone" in text
+    assert f"GPUs is {spread([r['fwd_ms'] - r['fwd_compute_ms'] for r in two], '.0f')} ms slower" in text
+    assert f"the backward {spread([r['bwd_ms'] - r['bwd_compute_ms'] for r in two], '.0f')} ms (its" in text
+    assert f"transfers alone: {max(round(r['bwd_comm_ms']) for r in two)} ms)" in text
+    def cost(r):    # percent of the ring's time
+        return [100 * (r[f"{p}_ms"] - r[f"{p}_compute_ms"]) / r[f"{p}_ms"] for p in ("fwd", "bwd")]
+    assert (f"cost is {spread([c for r in two for c in cost(r)], '.1f')}% of the time at 2 GPUs and "
+            f"{spread(cost(four), '.1f')}% at 4") in text
