@@ -189,6 +189,7 @@ def bench(args):
             return 2
     headdims, seqlens = ((QUICK_HEADDIMS, QUICK_SEQLENS) if args.quick
                          else (BENCH_HEADDIMS, BENCH_SEQLENS))
+    headdims, seqlens = args.headdim or headdims, args.seqlen or seqlens
     dtypes = args.dtype or (BENCH_DTYPES[:1] if args.quick else BENCH_DTYPES)
     impls = args.impl or _bench.DENSE_IMPLS
     log = functools.partial(print, flush=True)
@@ -289,6 +290,10 @@ def main(argv=None):
                                                   "benchmarks/results/)")
     p.add_argument("--impl", action="append", choices=_bench.DENSE_IMPLS,
                    help="only these implementations (repeatable; default all that import)")
+    p.add_argument("--headdim", action="append", type=int, choices=BENCH_HEADDIMS,
+                   help="only this head dim (repeatable)")
+    p.add_argument("--seqlen", action="append", type=int, choices=BENCH_SEQLENS,
+                   help="only this seqlen (repeatable)")
     p.add_argument("--reps", type=_int_at_least(1), default=20,
                    help="timed calls per number (default 20)")
     p.add_argument("--warmup", type=_int_at_least(0), default=3,

@@ -49,6 +49,17 @@ def test_counts_must_be_integers_in_range(capsys, argv, option):
     assert f"argument {option}" in message and repr(argv[-1].split("=")[-1]) in message
 
 
+@pytest.mark.parametrize("argv,option", [
+    (["bench", "--headdim", "96"], "--headdim"),
+    (["bench", "--headdim", "x"], "--headdim"),
+    (["bench", "--seqlen", "1000"], "--seqlen"),
+    (["bench", "--impl", "fa5"], "--impl"),
+])
+def test_bench_filters_take_the_grid_values_only(capsys, argv, option):
+    message = usage_error(capsys, argv)
+    assert f"argument {option}" in message
+
+
 @pytest.mark.parametrize("error,option", [(ValueError, "--shape"), (TypeError, "--dtype"),
                                           (MemoryError, "--shape")])
 def test_demo_turns_a_library_rejection_into_a_usage_error(capsys, monkeypatch, error, option):

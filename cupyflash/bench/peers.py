@@ -2,7 +2,8 @@
 
 ``cupyflash``; ``naive``, the standard attention of the FlashAttention paper in CuPy (matmul,
 softmax, matmul; the backward by hand); PyTorch SDPA with one backend forced (``sdpa_flash``:
-FlashAttention 2, ``sdpa_cudnn``, ``sdpa_efficient``); FlexAttention (``flex``, block-sparse
+FlashAttention 2, ``sdpa_cudnn``, ``sdpa_efficient``); FlashAttention-4 (``fa4``: pip
+flash-attn-4, the CuTe DSL kernels, dense cases); FlexAttention (``flex``, block-sparse
 cases). Torch is imported only when a torch runner is made. A runner that cannot run a case
 here raises ``Unavailable`` with the reason; ``compare`` turns that, and any peer's failure,
 into a row that says so.
@@ -169,8 +170,10 @@ def _torch():
 
 class _TorchRunner(Runner):
     """Torch peers get the same float32 data through DLPack, rounded to the dtype by torch,
-    in their own contiguous (batch, nheads, seqlen, headdim) layout. The forward runs with
-    grad mode on, so that it saves what the backward needs (ours returns lse likewise)."""
+    in their own contiguous layout: (batch, nheads, seqlen, headdim) where ``heads_first``,
+    else ours, (batch, seqlen, nheads, headdim). The forward runs with grad mode on, so that
+    it saves what the backward needs (ours returns lse likewise)."""
+    heads_first = True
 
     def __init__(self, case, sets32):
         super().__init__(case)
@@ -179,9 +182,12 @@ class _TorchRunner(Runner):
         dtype = getattr(torch, case.dtype)
         self.sets = []
         for s in sets32:
-            q, k, v, dout = (torch.from_dlpack(a).to(dtype).transpose(1, 2).contiguous()
-                             for a in s)
+            q, k, v, dout = (self._layout(torch.from_dlpack(a).to(dtype)).contiguous() for a in s)
             self.sets.append((q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout))
+
+    def _layout(self, x):
+        """Our (batch, seqlen, nheads, headdim) as this peer takes it, and back (a swap)."""
+        return x.transpose(1, 2) if self.heads_first else x
 
     def backward(self, s, saved):
         # retain_graph: the bwd pass replays one forward's graph.
@@ -189,7 +195,7 @@ class _TorchRunner(Runner):
 
     def output(self):
         out = self.forward(self.sets[0])[0].detach()
-        return cp.from_dlpack(out.transpose(1, 2).float().contiguous())
+        return cp.from_dlpack(self._layout(out).float().contiguous())
 
 
 class Sdpa(_TorchRunner):
@@ -212,6 +218,29 @@ class Sdpa(_TorchRunner):
         with self.sdpa_kernel(self.backend):
             return (self.torch.nn.functional.scaled_dot_product_attention(
                 s[0], s[1], s[2], is_causal=self.case.causal),)
+
+
+class Fa4(_TorchRunner):
+    """FlashAttention-4 (``flash_attn.cute.flash_attn_func``: pip flash-attn-4, kernels written
+    in NVIDIA's CuTe DSL and compiled on first use), on dense cases, in our layout."""
+    impl = "fa4"
+    heads_first = False
+
+    def __init__(self, case, sets32):
+        if case.pattern != "dense":
+            raise Unavailable("FlashAttention-4 is compared on dense cases only")
+        _torch()
+        try:
+            from flash_attn.cute import flash_attn_func
+        except Exception as e:
+            raise Unavailable(f"flash_attn.cute (pip flash-attn-4) is not importable "
+                              f"({error_text(e)})") from None
+        self.attend = flash_attn_func
+        super().__init__(case, sets32)
+
+    def forward(self, s):
+        out = self.attend(s[0], s[1], s[2], causal=self.case.causal)
+        return out if isinstance(out, tuple) else (out,)   # (out, lse) in the releases seen
 
 
 class FlexRunner(_TorchRunner):
@@ -360,6 +389,8 @@ def make_runner(impl, case, sets32):
         return Sdpa(impl, case, sets32)
     if impl == "flex":
         return FlexRunner(case, sets32)
+    if impl == "fa4":
+        return Fa4(case, sets32)
     raise ValueError(f"unknown implementation {impl!r}")
 
 

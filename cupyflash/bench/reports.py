@@ -54,6 +54,13 @@ def versions():
     for name in ("torch", "triton"):
         if name in sys.modules:
             found[name] = getattr(sys.modules[name], "__version__", "?")
+    if "flash_attn.cute" in sys.modules:   # the fa4 peer ran: its release and its compiler's
+        from importlib import metadata
+        for dist in ("flash-attn-4", "nvidia-cutlass-dsl-libs-base"):
+            try:
+                found[dist] = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                found[dist] = "?"
     return found
 
 
