@@ -387,7 +387,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     }
     setmaxnreg_inc<240>();
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
+    const int warp = warp_uniform(), lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
     const int t = lane % 4;
     const int key_w = 64 * wg + 16 * wq;   // the warp's first key in the block
     const u16* myK = sK + wg * Halves * Sub;
@@ -518,8 +518,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
                 for (int kk = nt0 / 2; kk < (nt0 + PT) / 2; ++kk) {
                     wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
                                    sw128_desc(bdO + c * QChunk, 2048 * kk), true);
-                    wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
-                                   sw128_desc(bQ + c * QChunk, 2048 * kk), true);
+                    if (part < Parts - 1)   // the last part's dK: after dQ's product, below
+                        wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
+                                       sw128_desc(bQ + c * QChunk, 2048 * kk), true);
                 }
             wgmma_commit();
         }
@@ -542,11 +543,18 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
                     wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + (2 * dq_q + kh) * Sub, 2048 * kk), k_desc, kh + kk > 0);
             }
         wgmma_commit();
-        wgmma_wait<0>();
+        // The last part's dK product runs while dQ is staged (the tensor cores idled through
+        // the stores of the stage before): at d = 64 1-2% faster, at d = 128 within 1%; the
+        // dK of more parts there measured no better (benchmarks/NOTES.md).
+#pragma unroll
+        for (int c = 0; c < Halves; ++c)
+#pragma unroll
+            for (int kk = (Parts - 1) * PT / 2; kk < NT / 2; ++kk)
+                wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
+                               sw128_desc(bQ + c * QChunk, 2048 * kk), true);
+        wgmma_commit();
+        wgmma_wait<1>();
         wgmma_fence_operands(dq);
-        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
-        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
-        mbar_arrive(&bar.qd_empty[buf]);
         // Each warp's 16 rows into its own stage, added to the buffer in the next step, behind
         // its products (push_dq): the warpgroup's columns, those of them the buffer has (the
         // bucket's: 96 in the 128 kernel, 32 in the 64 one).
@@ -560,6 +568,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
             order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
         }
         stage_dq_rows<DqT ? Br / 8 : DQ_N / 8, 0>(stage, dq, lane);
+        wgmma_wait<0>();
+        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
+        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
+        mbar_arrive(&bar.qd_empty[buf]);
     }
     if (g > 0) push_dq();
     if (lane == 0) bulk_wait<0>();
@@ -656,7 +668,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     }
     setmaxnreg_inc<240>();
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
+    const int warp = warp_uniform(), lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
     const int t = lane % 4, key_w = 16 * wq, q_w = QW * wg;   // the warp's first key, the warpgroup's first query
     const u32 sPt_s = smem_addr(sPt), sdSt_s = smem_addr(sdSt);
     ScoreMod<V, BwdParams> mod(p);

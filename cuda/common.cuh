@@ -78,6 +78,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// This thread's warp index, known to the compiler to be the same across the warp (a shuffle
+// from lane 0): what is derived from it (wgmma descriptors, stage addresses) can then live in
+// uniform registers instead of being moved there before every use.
+__device__ __forceinline__ int warp_uniform() { return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0); }
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

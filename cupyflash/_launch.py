@@ -813,8 +813,8 @@ def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, user_grad
     without a band (or causal ones of ``SM90_BWD_CAUSAL_80_FROM`` query rows or more, not
     packed), block mask, mask_mod, deterministic order or a score_mod's gradient arrays
     (``user_grads``: their sums take the shared memory that 80-row steps fill), else 64.
-    Packed batches with ALiBi keep 64: at 80, ptxas serialized their wgmma for want of
-    registers (a user score_mod's kernel is checked once compiled: ``sm90_bwd_step``).
+    ALiBi in packed batches or causal calls keeps 64: at 80, ptxas serialized their wgmma for
+    want of registers (a user score_mod's kernel is checked once compiled: ``sm90_bwd_step``).
     Without ``spec``: the rows of calls that cannot take 80."""
     if hd == 64:
         return 128
@@ -822,7 +822,7 @@ def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, user_grad
         spec.causal and not spec.varlen and seqlen_q >= SM90_BWD_CAUSAL_80_FROM))
     wide_rows = (hd == 128 and band_ok and block_mask is None
                  and not deterministic and not spec.mask_mod and not (spec.score_mod and user_grads)
-                 and not (spec.alibi and spec.varlen))
+                 and not (spec.alibi and (spec.varlen or spec.causal)))
     return 80 if wide_rows else 64
 
 

@@ -450,6 +450,7 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     (128, dict(deterministic=True), 64), (128, dict(score_mod=True), 80),
     (128, dict(score_mod=True, user_grads=True), 64),
     (128, dict(alibi_slopes=np.ones(2), seq=_spec.SEQ_PACKED), 64), (128, dict(seq=_spec.SEQ_PACKED), 80),
+    (128, dict(alibi_slopes=np.ones(2), causal=True, seqlen_q=8192), 64),
     (128, dict(causal=True, seqlen_q=8192), 80), (96, dict(causal=True, softcap=5.0, seqlen_q=9000), 80),
     (128, dict(causal=True, seqlen_q=8191), 64), (128, dict(causal=True, seqlen_q=8192, seq=_spec.SEQ_PACKED), 64),
     (128, dict(window_size=(100, 0), seqlen_q=8192), 64)])
