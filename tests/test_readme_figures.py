@@ -1,6 +1,6 @@
-"""The README's Hopper table (ours / cuDNN SDPA TFLOP/s, bf16), its packed-batch table and its
-host-time figures are the benchmark JSONs they name: every figure (for the Hopper table also
-the SDPA flash line under it and the fp16 remark) read from that file. No GPU: the JSONs are
+"""The README's Hopper table (ours / cuDNN SDPA / FlashAttention-4 TFLOP/s, bf16), its
+packed-batch table and its host-time figures are the benchmark JSONs they name: every figure
+(for the Hopper table also the fp16 remark and FlashAttention-4's release) read from that file. No GPU: the JSONs are
 committed runs."""
 import json
 import re
@@ -34,19 +34,18 @@ def test_readme_hopper_figures_are_the_cited_run():
     for pass_name, hd, rest in lines:
         plain, causal = rest.split("; causal ")
         for is_causal, cells in ((False, plain), (True, causal)):
-            pairs = [tuple(int(x) for x in c.split(" / ")) for c in cells.rstrip(";.").split(", ")]
-            assert len(pairs) == len(SEQLENS)
-            for s, (ours, cudnn) in zip(SEQLENS, pairs):
+            triples = [tuple(int(x) for x in c.split(" / ")) for c in cells.rstrip(";.").split(", ")]
+            assert len(triples) == len(SEQLENS)
+            for s, figures in zip(SEQLENS, triples):
                 key = ({"forward": "fwd", "backward": "bwd"}[pass_name], "bfloat16", int(hd), is_causal, s)
-                assert (ours, cudnn) == (round(t[("cupyflash",) + key]), round(t[("sdpa_cudnn",) + key])), key
-    fwd, bwd = re.search(r"SDPA flash \(FlashAttention 2\) gives (\d+) forward and (\d+) backward at d=128 8K",
-                         text).groups()
-    assert (int(fwd), int(bwd)) == tuple(round(t[("sdpa_flash", p, "bfloat16", 128, False, 8192)])
-                                         for p in ("fwd", "bwd"))
+                assert figures == tuple(round(t[(impl,) + key]) for impl in ("cupyflash", "sdpa_cudnn", "fa4")), key
     (percent,) = re.findall(r"ours in fp16 up to ([\d.]+)% lower", text)
     worst = max(1 - t[("cupyflash", p, "float16", hd, c, s)] / t[("cupyflash", p, "bfloat16", hd, c, s)]
                 for p in ("fwd", "bwd") for hd in (64, 128, 256) for c in (False, True) for s in SEQLENS)
     assert round(100 * worst, 1) == float(percent)
+    release, dsl = re.search(r"release ([\w.]+) with\s+nvidia-cutlass-dsl ([\d.]+)", text).groups()
+    versions = json.loads((ROOT / path).read_text())["versions"]
+    assert (versions["flash-attn-4"], versions["nvidia-cutlass-dsl-libs-base"]) == (release, dsl)
 
 
 def test_readme_varlen_table_is_the_cited_run():
