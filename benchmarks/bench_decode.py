@@ -10,7 +10,10 @@ table a random permutation of the pages). Effective bandwidth = the K and V byte
 contexts / time; the copy bandwidth is a device-to-device copy of 4 GiB in the same run (2 x
 bytes / time: it reads and writes them).
 
-Our calls run as CUDA graph replays, as serving engines run decode steps: inside a capture the
+A cell whose K and V bytes are under twice the GPU's L2 (batch 1 up to 8K here) rotates among
+copies of its cache (``cache_copies`` in the JSON: enough that the others' bytes fill the L2
+twice), so that no call finds its cache in L2; every implementation's calls take the copies in
+turn. Our calls run as CUDA graph replays, as serving engines run decode steps: inside a capture the
 lengths are trusted (an eager call reads them to the host to check them first; its time is in
 the JSON too, ``eager_ms``, and that of eager calls with ``check_lengths=False``,
 ``eager_unchecked_ms``: CUDA-event times, the host's own time per call not included). Peers,
@@ -20,6 +23,7 @@ table followed by SDPA (cuDNN, else the first backend that runs), where the gath
 Writes DIR/bench_decode.json and prints the table last.
 """
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -35,6 +39,16 @@ CONTEXTS = (1024, 4096, 8192, 32768, 131072)
 QUICK_CONTEXTS = (8192, 32768)
 PAGES = (16, 256)
 GATHER_LIMIT = 16 << 30          # bytes of K and V the gather baseline may copy
+MAX_COPIES = 32                  # caches one cell rotates among at most
+
+
+def cache_copies(kv_bytes, l2_bytes):
+    """How many copies of a cache of ``kv_bytes`` (K and V) the timed calls rotate among: one
+    where it is at least twice the L2, else enough that the other copies fill the L2 twice
+    over before a copy is read again (at most MAX_COPIES)."""
+    if kv_bytes >= 2 * l2_bytes:
+        return 1
+    return min(MAX_COPIES, 1 + -(-2 * l2_bytes // kv_bytes))
 
 
 def copy_bandwidth(cp, clock, reps):
@@ -71,6 +85,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--batch", type=int, action="append", choices=BATCHES,
+                    help="only this batch (repeatable)")
     args = ap.parse_args()
     _, why = gpu_or_reason()
     if why:
@@ -88,6 +104,7 @@ def main():
     except Exception as e:  # no torch: the peer rows say why
         torch, torch_error = None, bench.error_text(e)
     rows = []
+    l2_bytes = cp.cuda.Device().attributes["L2CacheSize"]
 
     def add(impl, layout, batch, context, result, **extra):
         kv = 2 * batch * context * NHEADS_K * HEADDIM * 2
@@ -99,44 +116,49 @@ def main():
                   f"{row['gbps']:6.0f} GB/s ({row['of_copy']:.2f} of copy)", flush=True)
         rows.append(row)
 
-    for batch in BATCHES:
+    for batch in args.batch or BATCHES:
         for context in (QUICK_CONTEXTS if args.quick else CONTEXTS):
-            k_cache, v_cache = random_cache(cp, batch, context)
-            q = cp.random.standard_normal((batch, 1, NHEADS, HEADDIM), dtype=cp.float32).astype(k_cache.dtype)
+            copies = cache_copies(2 * batch * context * NHEADS_K * HEADDIM * 2, l2_bytes)
+            caches = [random_cache(cp, batch, context) for _ in range(copies)]
+            q = cp.random.standard_normal((batch, 1, NHEADS, HEADDIM), dtype=cp.float32).astype(caches[0][0].dtype)
             lens = cp.full(batch, context, cp.int32)
             for layout in ("contiguous",) + tuple(f"page{p}" for p in PAGES):
-                kc, vc, table = as_layout(cp, k_cache, v_cache, layout)
+                sets = [as_layout(cp, k_cache, v_cache, layout) for k_cache, v_cache in caches]
 
-                def ours(kc=kc, vc=vc, table=table, check=True):
+                def ours(kc, vc, table, check=True):
                     return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
                                                            check_lengths=check)
-                eager = bench.time_calls(clock, [ours], args.reps)
-                unchecked = bench.time_calls(clock, [lambda: ours(check=False)], args.reps)
-                stream, graph, _result = bench.timing.graph_of(ours)
+                eager = bench.time_calls(clock, [functools.partial(ours, *s) for s in sets], args.reps)
+                unchecked = bench.time_calls(clock, [functools.partial(ours, *s, check=False) for s in sets],
+                                             args.reps)
+                stream, graphs, _results = bench.timing.graphs_of([functools.partial(ours, *s) for s in sets])
                 with stream:
-                    replay = bench.time_calls(clock, [lambda g=graph, s=stream: g.launch(s)], args.reps)
+                    replay = bench.time_calls(clock, [functools.partial(g.launch, stream) for g in graphs],
+                                              args.reps)
                 add("cupyflash", layout, batch, context, replay, eager_ms=eager["ms"],
-                    eager_unchecked_ms=unchecked["ms"])
+                    eager_unchecked_ms=unchecked["ms"], cache_copies=copies)
+                del graphs, _results
                 if torch is None:
                     add("sdpa", layout, batch, context, {"error": torch_error})
                     continue
                 qt = torch.from_dlpack(q).transpose(1, 2)
                 if layout == "contiguous":
-                    kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (kc, vc))
+                    kvs = [tuple(torch.from_dlpack(x).transpose(1, 2) for x in (kc, vc)) for kc, vc, _ in sets]
                     for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH"):
-                        def sdpa(name=name):
+                        def sdpa(kt, vt, name=name):
                             with sdpa_kernel(getattr(SDPBackend, name)):
                                 return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
                         try:
                             add(f"sdpa_{name.lower()}", layout, batch, context,
-                                bench.time_calls(tclock, [sdpa], args.reps))
+                                bench.time_calls(tclock, [functools.partial(sdpa, *kv) for kv in kvs], args.reps),
+                                cache_copies=copies)
                         except Exception as e:  # a backend that refuses the call: its row says why
                             add(f"sdpa_{name.lower()}", layout, batch, context, {"error": bench.error_text(e)})
-                elif 2 * k_cache.nbytes <= GATHER_LIMIT:
-                    kp, vp = (torch.from_dlpack(x) for x in (kc, vc))
-                    tt = torch.from_dlpack(table).long()
+                elif 2 * caches[0][0].nbytes <= GATHER_LIMIT:
+                    paged = [(torch.from_dlpack(kc), torch.from_dlpack(vc), torch.from_dlpack(table).long())
+                             for kc, vc, table in sets]
 
-                    def gather_sdpa():
+                    def gather_sdpa(kp, vp, tt):
                         kg, vg = (x[tt].reshape(batch, context, NHEADS_K, HEADDIM).transpose(1, 2) for x in (kp, vp))
                         for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
                             try:
@@ -146,12 +168,14 @@ def main():
                                 continue
                         raise RuntimeError("no SDPA backend took the gathered cache")
                     try:
-                        add("gather_sdpa", layout, batch, context, bench.time_calls(tclock, [gather_sdpa], args.reps))
+                        add("gather_sdpa", layout, batch, context,
+                            bench.time_calls(tclock, [functools.partial(gather_sdpa, *x) for x in paged], args.reps),
+                            cache_copies=copies)
                     except Exception as e:  # its row says why
                         add("gather_sdpa", layout, batch, context, {"error": bench.error_text(e)})
                 else:
                     add("gather_sdpa", layout, batch, context, {"skipped": "the gathered copy would not fit"})
-            del k_cache, v_cache, kc, vc
+            del caches, sets
             bench.release_memory()
     doc = bench.report("decode", rows, nheads=NHEADS, nheads_k=NHEADS_K, headdim=HEADDIM, dtype="bfloat16",
                        copy_gbps=copy_gbps, timing="cupyflash: CUDA graph replays; peers: eager calls")

@@ -185,19 +185,29 @@ class Timing:
                     first_call_s=round(self.first_call_s, 3))
 
 
-def graph_of(call):
-    """``call`` captured once on a stream of its own (after an eager call that compiles):
-    (stream, graph, the captured call's result). The caller keeps the result while it replays
-    the graph: the replays write there, and memory freed to the pool could hold another array
-    meanwhile. Time the replays inside ``with stream:``."""
+def graphs_of(calls):
+    """Each of ``calls`` captured once on one stream of their own (after an eager call that
+    compiles): (stream, graphs, the captured calls' results). The caller keeps the results
+    while it replays the graphs: the replays write there, and memory freed to the pool could
+    hold another array meanwhile. Time the replays inside ``with stream:``; replaying them in
+    turn, as ``time_calls`` does with several calls, keeps each input set out of L2 where the
+    sets together are larger than it."""
     cp.cuda.Device().synchronize()   # the inputs, made on other streams, are there
     stream = cp.cuda.Stream(non_blocking=True)
+    graphs, results = [], []
     with stream:
-        call()
-        stream.synchronize()
-        stream.begin_capture()
-        result = call()
-        graph = stream.end_capture()
+        for call in calls:
+            call()
+            stream.synchronize()
+            stream.begin_capture()
+            results.append(call())
+            graphs.append(stream.end_capture())
+    return stream, graphs, results
+
+
+def graph_of(call):
+    """``graphs_of`` of one call: (stream, graph, result)."""
+    stream, (graph,), (result,) = graphs_of([call])
     return stream, graph, result
 
 
