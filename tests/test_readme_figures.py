@@ -104,6 +104,30 @@ def test_readme_eager_decode_figures_are_the_cited_run():
     assert all(abs(r["eager_unchecked_ms"] / r["ms"] - 1) < 0.05 for r in rows)
 
 
+def test_readme_rotated_decode_figures_are_the_cited_run():
+    """The batch-1 decode figures timed with the cache copies rotating: each layout's fraction of
+    copy, cuDNN's, and the number of copies at 8K, read from the JSON the sentence names."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("the bench now rotates among copies")
+    sentence = text[start:text.index("Eager calls", start)]
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
+    rows = json.loads((ROOT / path).read_text())["rows"]
+
+    def of_copy(impl, layout, context):
+        (r,) = [r for r in rows if r["impl"] == impl and r["layout"] == layout and r["context"] == context]
+        return r
+
+    words = {"five": 5}
+    (copies,) = re.findall(r"(\w+) copies\)", sentence)
+    assert of_copy("cupyflash", "contiguous", 8192)["cache_copies"] == words[copies]
+    for context, part in ((8192, sentence.split("; 32K")[0]), (32768, sentence.split("; 32K")[1])):
+        ours = tuple(float(x) for x in re.search(r"([\d.]+) /\s+([\d.]+) / ([\d.]+)", part).groups())
+        assert ours == tuple(round(of_copy("cupyflash", layout, context)["of_copy"], 2)
+                             for layout in ("contiguous", "page16", "page256"))
+        (cudnn,) = re.findall(r"cuDNN(?: SDPA)? (\d+\.\d+)", part)
+        assert float(cudnn) == round(of_copy("sdpa_cudnn_attention", "contiguous", context)["of_copy"], 2)
+
+
 def test_readme_host_time_figures_are_the_cited_runs():
     """The repeated calls' host times (afresh -> repeated, median us) are probe_host's rows of
     the JSONs the paragraph names."""
