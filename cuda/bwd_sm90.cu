@@ -19,8 +19,9 @@
 // running while the next part is made; once both warpgroups' tiles are there, dQ +=
 // dS K over all 128 keys, both operands transposed, for 64 queries x half the head dim (the
 // warpgroup's) at d = 128, for the warpgroup's 64 of the 128 queries x the whole head dim at
-// d = 64. A step's dQ is staged at its end and pushed to the buffer in the next step, once
-// that step's S^T and dP^T are issued: the fence and the add then wait under its products.
+// d = 64 (the last part's dK product follows dQ's and runs while dQ is staged). A step's dQ is
+// staged at its end and pushed to the buffer in the next step, once that step's S^T and dP^T
+// are issued: the fence and the add then wait under its products.
 // At d = 128 without a band, or causal from 8K query rows (_launch.sm90_bwd_rows), steps of
 // 80 queries: S^T and dP^T by m64n80, dS stored with queries as rows (stmatrix.trans), and
 // dQ^T = K^T dS^T for the warpgroup's 64 columns x 80 queries, each warp's 16 columns one
