@@ -388,7 +388,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     }
     setmaxnreg_inc<240>();
 
-    const int warp = warp_uniform(), lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
+    // The warp index from lane 0 (warp_uniform) keeps the addresses derived from it in uniform
+    // registers (with the added descriptors, 971 -> 691 instructions a step at d = 128); beside
+    // a user score_mod's snippet that made ptxas spill (a table lookup per score: 24-96 bytes),
+    // so those kernels take it plainly.
+    const int warp = V::UserScore ? static_cast<int>(threadIdx.x) / 32 : warp_uniform();
+    const int lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
     const int t = lane % 4;
     const int key_w = 64 * wg + 16 * wq;   // the warp's first key in the block
     const u16* myK = sK + wg * Halves * Sub;
