@@ -42,13 +42,18 @@ GATHER_LIMIT = 16 << 30          # bytes of K and V the gather baseline may copy
 MAX_COPIES = 32                  # caches one cell rotates among at most
 
 
-def cache_copies(kv_bytes, l2_bytes):
-    """How many copies of a cache of ``kv_bytes`` (K and V) the timed calls rotate among: one
+def kv_bytes(batch, context):
+    """The K and V bytes of ``batch`` full caches of ``context`` keys (bf16)."""
+    return 2 * batch * context * NHEADS_K * HEADDIM * 2
+
+
+def cache_copies(nbytes, l2_bytes):
+    """How many copies of a cache of ``nbytes`` (K and V) the timed calls rotate among: one
     where it is at least twice the L2, else enough that the other copies fill the L2 twice
     over before a copy is read again (at most MAX_COPIES)."""
-    if kv_bytes >= 2 * l2_bytes:
+    if nbytes >= 2 * l2_bytes:
         return 1
-    return min(MAX_COPIES, 1 + -(-2 * l2_bytes // kv_bytes))
+    return min(MAX_COPIES, 1 + -(-2 * l2_bytes // nbytes))
 
 
 def copy_bandwidth(cp, clock, reps):
@@ -107,7 +112,7 @@ def main():
     l2_bytes = cp.cuda.Device().attributes["L2CacheSize"]
 
     def add(impl, layout, batch, context, result, **extra):
-        kv = 2 * batch * context * NHEADS_K * HEADDIM * 2
+        kv = kv_bytes(batch, context)
         row = dict(impl=impl, layout=layout, batch=batch, context=context, kv_bytes=kv, **result, **extra)
         if "ms" in result:
             row["gbps"] = kv / (result["ms"] * 1e-3) / 1e9
@@ -118,7 +123,7 @@ def main():
 
     for batch in args.batch or BATCHES:
         for context in (QUICK_CONTEXTS if args.quick else CONTEXTS):
-            copies = cache_copies(2 * batch * context * NHEADS_K * HEADDIM * 2, l2_bytes)
+            copies = cache_copies(kv_bytes(batch, context), l2_bytes)
             caches = [random_cache(cp, batch, context) for _ in range(copies)]
             q = cp.random.standard_normal((batch, 1, NHEADS, HEADDIM), dtype=cp.float32).astype(caches[0][0].dtype)
             lens = cp.full(batch, context, cp.int32)
@@ -128,10 +133,10 @@ def main():
                 def ours(kc, vc, table, check=True):
                     return cf.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
                                                            check_lengths=check)
-                eager = bench.time_calls(clock, [functools.partial(ours, *s) for s in sets], args.reps)
-                unchecked = bench.time_calls(clock, [functools.partial(ours, *s, check=False) for s in sets],
-                                             args.reps)
-                stream, graphs, _results = bench.timing.graphs_of([functools.partial(ours, *s) for s in sets])
+                calls = [functools.partial(ours, *s) for s in sets]
+                eager = bench.time_calls(clock, calls, args.reps)
+                unchecked = bench.time_calls(clock, [functools.partial(c, check=False) for c in calls], args.reps)
+                stream, graphs, _results = bench.timing.graphs_of(calls)
                 with stream:
                     replay = bench.time_calls(clock, [functools.partial(g.launch, stream) for g in graphs],
                                               args.reps)
