@@ -60,11 +60,12 @@ BWD_PARAMS = np.dtype([(n, TENSOR_REF) for n in ("q", "k", "v", "o", "dout", "dq
 # multiples of it (varlen_dq_accum_rows).
 VARLEN_ACCUM_ALIGN = 128
 
-# Causal passes: tiles per launch group, in multiples of the SM count (see _tile_grid). With 8,
-# a simulation of greedy block scheduling (tile lengths of causal attention, 132 SMs, seqlen
-# 512-16K) loses at most 1.5% to the best order, where one (head, batch) pair per group loses
-# up to 7%; on the H100 it beat 1, 2 and 4 waves and one group of all pairs (which lost up to
-# 9% at seqlen 1K-2K: each head's K and V were read from memory once per tile).
+# Causal passes of the generic kernels: tiles per launch group, in multiples of the SM count
+# (see _launch_group). With 8, a simulation of greedy block scheduling (tile lengths of causal
+# attention, 132 SMs, seqlen 512-16K) loses at most 1.5% to the best order, where one (head,
+# batch) pair per group loses up to 7%; on the H100 it beat 1, 2 and 4 waves and one group of
+# all pairs (which lost up to 9% at seqlen 1K-2K: each head's K and V were read from memory
+# once per tile).
 LAUNCH_GROUP_WAVES = 8
 
 # Threads of bwd_convert_dq_kernel (up to its launch bound, 256: its loops stride by blockDim).
@@ -618,24 +619,35 @@ def _generic_smem(d_bucket, itemsize):
     return 2 * _config.GENERIC_CHUNK * (d_bucket + 1) * itemsize
 
 
-def _tile_grid(p, tiles, heads, batch, causal):
+def _tile_grid(p, tiles, heads, batch, causal, pair_bytes=0):
     """The grid of a tensor-core pass over tiles x heads x batch (block_coord in
     cuda/block_iter.cuh). A causal pass gets (group, tiles, groups), which starts the long
-    tiles of a group of (head, batch) pairs before its short ones; a group holds enough tiles
-    to fill every SM LAUNCH_GROUP_WAVES times (fewer pairs per group keep more of a head's
-    data in L2 while its tiles run, more spread the long tiles better)."""
+    tiles of a group of (head, batch) pairs before its short ones (``_launch_group`` pairs;
+    ``pair_bytes`` as there)."""
     p["launch_group"] = 0
     if not causal:
         return (tiles, heads, batch)
     pairs = heads * batch
-    group = _launch_group(pairs, tiles)
+    group = _launch_group(pairs, tiles, pair_bytes)
     if max(tiles, _config.cdiv(pairs, group)) > _config.MAX_GRID_YZ:
         return (tiles, heads, batch)
     p["launch_group"] = group
     return (group, tiles, _config.cdiv(pairs, group))
 
 
-def _launch_group(pairs, tiles):
+def _launch_group(pairs, tiles, pair_bytes=0):
+    """(Head, batch) pairs per launch group of a causal pass. With ``pair_bytes``, what all of
+    a pair's tiles read (the Hopper passes: K and V in the forward; Q, dO and the fp32 dQ in
+    the backward), the most pairs, a power of two, whose bytes fit in L2, so that a group
+    reads them from memory once; measured on the H200 against LAUNCH_GROUP_WAVES (which
+    groups up to 66 pairs at 2K: 66 MB of K and V at d = 128), +1.5-10% in the causal
+    forward and 0-7% in the backward, most at 2K (benchmarks/NOTES.md, twenty-seventh
+    session). Else enough tiles to fill every SM LAUNCH_GROUP_WAVES times (fewer pairs per
+    group keep more of a head's data in L2 while its tiles run, more spread the long tiles
+    better)."""
+    if pair_bytes:
+        fit = max(1, _device_attribute("L2CacheSize") // pair_bytes)
+        return min(pairs, 1 << (fit.bit_length() - 1))
     return min(pairs, _config.cdiv(LAUNCH_GROUP_WAVES * _sm_count(), tiles))
 
 
@@ -931,7 +943,9 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
     smem += _stage_grads(p["user"], user_grads, smem, _smem_limit() - SM90_BWD_STATIC_SMEM)
     tp = np.zeros((), BWD_SM90_PARAMS)
     tiles = _config.cdiv(sk, keys)
-    grid = _tile_grid(p, tiles, hk, b, spec.causal)
+    # What a (kv head, batch) pair's blocks all read: its query heads' Q, dO and fp32 dQ.
+    pair_bytes = sq * (h // hk) * (q.shape[3] * q.itemsize + dout.shape[3] * dout.itemsize + q.shape[3] * 4)
+    grid = _tile_grid(p, tiles, hk, b, spec.causal, pair_bytes)
     tp["base"] = p
     tp["dq_done"] = done
     if deterministic:
@@ -944,7 +958,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
 
 
 def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
-    b, sq, _ = _dims(q, k, packed)
+    b, sq, sk = _dims(q, k, packed)
     h = q.shape[2]
     hd = sm90_headdim(spec.headdim)
     groups, keys = sm90_fwd_tile(spec, block_mask)
@@ -953,7 +967,9 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=True, q=False)
     _check_lists(p, "kv_blocks", rows, keys)
     tp = np.zeros((), FWD_SM90_PARAMS)
-    tp["grid"] = _tile_grid(p, _config.cdiv(sq, rows), h, b, spec.causal)
+    # What a (head, batch) pair's tiles all read: K and V.
+    pair_bytes = sk * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
+    tp["grid"] = _tile_grid(p, _config.cdiv(sq, rows), h, b, spec.causal, pair_bytes)
     tp["base"] = p
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         tp[name] = _row_map(x, spec.dtype, keys if name in ("k", "v") else 64)

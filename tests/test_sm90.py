@@ -470,6 +470,17 @@ def test_the_hopper_backward_steps_80_queries_at_d128_without_a_band(d, kw, rows
     assert _launch.sm90_bwd_rows(hd, spec, mask, deterministic, user_grads, seqlen_q) == rows
 
 
+@pytest.mark.parametrize("pair_mib, pairs, group", [
+    (0.5, 256, 64), (1, 128, 32), (2, 64, 16), (3, 64, 16), (16, 8, 2), (100, 8, 1), (1, 8, 8), (0, 128, 66)])
+def test_causal_launch_groups_of_the_hopper_passes_fit_in_l2(pair_mib, pairs, group, monkeypatch):
+    """The Hopper passes group (head, batch) pairs by the bytes all tiles of a pair read: the
+    most pairs, a power of two, whose bytes fit the L2 (here 50 MiB), at most all of them;
+    without those bytes (the generic kernels) a group's 16-tile pairs fill 132 SMs 8 times."""
+    attrs = {"L2CacheSize": 50 << 20, "MultiProcessorCount": 132}
+    monkeypatch.setattr(_launch, "_device_attribute", attrs.__getitem__)
+    assert _launch._launch_group(pairs, 16, int(pair_mib * 2**20)) == group
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("how", ["slopes", "table"])
