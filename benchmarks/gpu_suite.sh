@@ -20,6 +20,8 @@
 # SKIP_SANITIZE=1 / SKIP_DENSE_BENCH=1 / SKIP_SPARSE_BENCH=1 to skip compute-sanitizer / the
 # comparison / the block-sparse benchmark, SUITE_JOBS=N to run the tests in N processes
 # (pytest-xdist; the GPU fuzz's seven families then run side by side: tests/test_fuzz_gpu.py).
+# A failing test is named in the tests' log when it fails (tests/conftest.py), so a run stopped
+# by a time limit before pytest's summary still says which one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -2,6 +2,7 @@
 import functools
 import os
 import random
+import sys
 
 import pytest
 
@@ -44,6 +45,15 @@ def pytest_collection_modifyitems(config, items):
         if reason is None:
             return
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_logreport(report):
+    """A failure named on stderr as soon as it is known: a GPU run that its time limit stops
+    before pytest's summary (benchmarks/gpu_suite.sh) still says which test failed, and under
+    which GPU fuzz seed."""
+    if report.failed:
+        seed = os.environ.get("CUPYFLASH_FUZZ_SEED", "").strip()
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when}{', fuzz seed ' + seed if seed else ''})\n")
 
 
 @pytest.fixture(scope="session")
