@@ -159,7 +159,7 @@ def main():
                                 cache_copies=copies)
                         except Exception as e:  # a backend that refuses the call: its row says why
                             add(f"sdpa_{name.lower()}", layout, batch, context, {"error": bench.error_text(e)})
-                elif 2 * caches[0][0].nbytes <= GATHER_LIMIT:
+                elif kv_bytes(batch, context) <= GATHER_LIMIT:
                     paged = [(torch.from_dlpack(kc), torch.from_dlpack(vc), torch.from_dlpack(table).long())
                              for kc, vc, table in sets]
 
@@ -183,7 +183,8 @@ def main():
             del caches, sets
             bench.release_memory()
     doc = bench.report("decode", rows, nheads=NHEADS, nheads_k=NHEADS_K, headdim=HEADDIM, dtype="bfloat16",
-                       copy_gbps=copy_gbps, timing="cupyflash: CUDA graph replays; peers: eager calls")
+                       copy_gbps=copy_gbps, l2_bytes=l2_bytes,
+                       timing="cupyflash: CUDA graph replays; peers: eager calls")
     bench.write_json(Path(args.out) / "bench_decode.json", doc)
     print(summary(rows, copy_gbps))
 

@@ -642,9 +642,9 @@ def _launch_group(pairs, tiles, pair_bytes=0):
     reads them from memory once; measured on the H200 against LAUNCH_GROUP_WAVES (which
     groups up to 66 pairs at 2K: 66 MB of K and V at d = 128), +0.7 to +10.6% in the causal
     forward and -0.2 to +7.0% in the backward, most at 2K (benchmarks/NOTES.md,
-    twenty-seventh session). Else enough tiles to fill every SM LAUNCH_GROUP_WAVES times (fewer pairs per
-    group keep more of a head's data in L2 while its tiles run, more spread the long tiles
-    better)."""
+    twenty-seventh session). Else enough tiles to fill every SM LAUNCH_GROUP_WAVES times
+    (fewer pairs per group keep more of a head's data in L2 while its tiles run, more spread
+    the long tiles better)."""
     if pair_bytes:
         fit = max(1, _device_attribute("L2CacheSize") // pair_bytes)
         return min(pairs, 1 << (fit.bit_length() - 1))

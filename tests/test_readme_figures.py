@@ -273,3 +273,33 @@ def test_readme_ring_memory_and_transfer_figures_are_the_runs():
         return [100 * (r[f"{p}_ms"] - r[f"{p}_compute_ms"]) / r[f"{p}_ms"] for p in ("fwd", "bwd")]
     assert (f"cost is {spread([c for r in two for c in cost(r)], '.1f')}% of the time at 2 GPUs and "
             f"{spread(cost(four), '.1f')}% at 4") in text
+
+
+def test_readme_launch_group_gains_are_the_cited_runs():
+    """The L2-sized launch groups' gains (the mean of each tree's reps, the package as landed
+    against the 8-wave groups): the three cited 2K cells, each shrinking at every longer
+    sequence, and the worst cell of both runs."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Causal calls start the longest tiles first")
+    para = text[start:text.index("Everything else (dropout", start)]
+    fwd_path, bwd_rest = re.findall(r"`(benchmarks/results/[^`]+\.json)`, `\.\.\.(_[^`]+\.json)`", para)[0]
+    bwd_path = fwd_path[:fwd_path.rindex("_fwd")] + bwd_rest
+    # The trees of the landed rule: "l2" (forward) and "bl2" (backward), both against "base".
+    gains = {}
+    for path, tree in ((fwd_path, "l2"), (bwd_path, "bl2")):
+        means = {}
+        for r in json.loads((ROOT / path).read_text())["rows"]:
+            means.setdefault((r["cell"], r["pass"], r["tree"]), []).append(r["tflops"])
+        for (cell, pass_, name), v in means.items():
+            if name == tree:
+                base = means[(cell, pass_, "base")]
+                d, s = (int(x) for x in cell.split(":")[:2])
+                gains[(pass_, d, s)] = 100 * ((sum(v) / len(v)) / (sum(base) / len(base)) - 1)
+    fwd128, fwd256, bwd128 = (float(x) for x in re.findall(r"\+([\d.]+)%", para))
+    assert (round(gains[("fwd", 128, 2048)], 1), round(gains[("fwd", 256, 2048)], 1),
+            round(gains[("bwd", 128, 2048)], 1)) == (fwd128, fwd256, bwd128)
+    for pass_, d in (("fwd", 128), ("fwd", 256), ("bwd", 128)):
+        series = [gains[(pass_, d, s)] for s in (2048, 4096, 8192, 16384)]
+        assert series == sorted(series, reverse=True), (pass_, d, series)
+    (worst,) = re.findall(r"no cell more than ([\d.]+)% slower", para)
+    assert round(-min(gains.values()), 1) <= float(worst)
