@@ -567,7 +567,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         stage = mydQ;
         if constexpr (DqT) {
             const int col = dq_chunk * DQ_N + 16 * wq;
-            gdq = p.dq_accum + accum_strip_block(seq, h, m0 / 16, col / 16);
+            gdq = p.dq_accum + accum_strip_block(seq, h, static_cast<unsigned>(m0) / 16, col / 16);
             dq_valid = col < p.dq_accum_cols ? 2 * min(Br / 16, (seq.seqlen_q() - m0 + 15) / 16) : 0;
         } else {
             gdq = dq_tile(p, seq, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);

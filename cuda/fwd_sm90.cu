@@ -76,6 +76,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // block's max (softmax_step below): with softcap that measured 5% slower, above head dim
     // 128 1% faster and it spilled.
     constexpr bool Speculate = Settled && HeadDim <= 128 && !V::Softcap;
+    // The descriptors' two words joined (sm90.cuh) but at head dim 128.
+    constexpr bool JoinedDesc = HeadDim != 128;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
     // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
     // registers of a second block per SM, and the kernel was slower than the generic one.
@@ -209,8 +211,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         for (int c = 0; c < Halves; ++c)
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss<Elem>(sflat, sw128_desc(myQ + c * SubQ, 32 * kk),
-                               sw128_desc(sK + (buf * Halves + c) * SubKV, 32 * kk), c + kk > 0);
+                wgmma_ss<Elem>(sflat, sw128_desc<JoinedDesc>(myQ + c * SubQ, 32 * kk),
+                               sw128_desc<JoinedDesc>(sK + (buf * Halves + c) * SubKV, 32 * kk), c + kk > 0);
         wgmma_commit();
     };
     // O += P V: V's rows are the keys (MN-major B), 16 keys = 2048 bytes of a sub-tile. One
@@ -224,7 +226,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk)
             wgmma_rs<Elem>(reinterpret_cast<float(&)[4 * DT]>(acc), pa[kk],
-                           sw128_desc(sV + buf * Halves * SubKV, 2048 * kk, 2 * SubKV), true);
+                           sw128_desc<JoinedDesc>(sV + buf * Halves * SubKV, 2048 * kk, 2 * SubKV), true);
         wgmma_commit();
     };
     // P as A fragments: keys 16kk.. are the n8 tiles 2kk and 2kk + 1.

@@ -185,8 +185,8 @@ struct SeqInfo<Params, SEQ_PACKED> {
 // `strip` (strips of a slab are dq_accum_rows * 16 floats apart).
 template <typename Seq>
 __device__ __forceinline__ index_t accum_strip_block(const Seq& seq, int h, int tile, int strip) {
-    return ((seq.accum_slab(h) * (seq.p.dq_accum_cols / 16) + strip) * (seq.p.dq_accum_rows / 16) +
-            seq.accum_slab_tile(tile)) * 256;
+    const unsigned strips = seq.p.dq_accum_cols, tiles = seq.p.dq_accum_rows;   // >= 0: shifts
+    return ((seq.accum_slab(h) * (strips / 16) + strip) * (tiles / 16) + seq.accum_slab_tile(tile)) * 256;
 }
 
 // A KV cache's entry: dense queries, keys at rows of the entry's cache slice or pages.

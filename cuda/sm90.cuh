@@ -141,14 +141,21 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // bytes). 1024 bytes from one 8-row group to the next. The leading offset is used only by
 // MN-major operands wider than one swizzle atom (N > 64): `atoms_apart` bytes from one atom's 64
 // columns to the next's. Operands one atom wide ignore it (16, the minimum).
-// Shared addresses stay below 2^18, so the start (16-byte units) fits its 14 bits: the fields
-// are added, the start last, and the descriptors of one tile differ by an immediate (masking
-// the start made every descriptor a chain of its own: ~5 uniform instructions per wgmma).
+// Shared addresses stay below 2^18, so the start (16-byte units) fits its 14 bits and is added,
+// not masked, and the descriptors of one tile differ by an immediate (masking the start made
+// every descriptor a chain of its own: ~5 uniform instructions per wgmma). The low word (start,
+// leading offset) and the high word (stride, swizzle) are Joined, not added: from a 64-bit add
+// ptxas made a carry from one into the other, three uniform instructions per tile. (The
+// forward at head dim 128 adds them: joined, its loop had 13 instructions fewer but ran 1%
+// slower; benchmarks/NOTES.md.)
+template <bool Joined = true>
 __device__ __forceinline__ unsigned long long sw128_desc(const void* tile, unsigned offset, unsigned atoms_apart = 16) {
-    constexpr unsigned long long stride = 1024 >> 4, swizzle128 = 1;
-    const unsigned long long fields = static_cast<unsigned long long>(atoms_apart >> 4) << 16 | stride << 32 |
-                                      swizzle128 << 62;
-    return fields + (smem_addr(tile) >> 4) + (offset >> 4);
+    constexpr unsigned long long stride = 1024 >> 4, swizzle128 = 1, hi = stride << 32 | swizzle128 << 62;
+    if constexpr (Joined) {
+        const unsigned lo = ((atoms_apart >> 4) << 16) + (smem_addr(tile) >> 4);
+        return (hi | lo) + (offset >> 4);
+    }
+    return (hi | static_cast<unsigned long long>(atoms_apart >> 4) << 16) + (smem_addr(tile) >> 4) + (offset >> 4);
 }
 
 // Orders this thread's register and shared-memory accesses before the next wgmma reads them.
