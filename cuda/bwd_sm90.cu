@@ -216,7 +216,7 @@ __device__ __forceinline__ void issue_scores_t(float (&st)[N], float (&dpt)[N], 
         for (int c = 0; c < Chunks; ++c)
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss<Elem>(acc, sw128_desc(a + c * Sub, 32 * kk), sw128_desc(b + c * QChunk, 128 * q_row0 + 32 * kk),
+                wgmma_ss<Elem>(acc, sw128_desc(a, 2 * c * Sub + 32 * kk), sw128_desc(b + 64 * q_row0, 2 * c * QChunk + 32 * kk),
                                c + kk > 0);
         wgmma_commit();
     };
@@ -523,10 +523,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
                 for (int kk = nt0 / 2; kk < (nt0 + PT) / 2; ++kk) {
                     wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
-                                   sw128_desc(bdO + c * QChunk, 2048 * kk), true);
+                                   sw128_desc(bdO, 2 * c * QChunk + 2048 * kk), true);
                     if (part < Parts - 1)   // the last part's dK: after dQ's product, below
                         wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
-                                       sw128_desc(bQ + c * QChunk, 2048 * kk), true);
+                                       sw128_desc(bQ, 2 * c * QChunk + 2048 * kk), true);
                 }
             wgmma_commit();
         }
@@ -542,11 +542,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-                const auto k_desc = sw128_desc(sK + (kh * Halves + dq_chunk) * Sub, 2048 * kk);
+                const auto k_desc = sw128_desc(sK + dq_chunk * Sub, 2 * kh * Halves * Sub + 2048 * kk);
                 if constexpr (DqT)
-                    wgmma_ss_tn<Elem>(dq, k_desc, sw128_desc(dSt + kh * Br * 64, 32 * kk), kh + kk > 0);
+                    wgmma_ss_tn<Elem>(dq, k_desc, sw128_desc(dSt, 2 * kh * Br * 64 + 32 * kk), kh + kk > 0);
                 else
-                    wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + (2 * dq_q + kh) * Sub, 2048 * kk), k_desc, kh + kk > 0);
+                    wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + 2 * dq_q * Sub, 2 * kh * Sub + 2048 * kk), k_desc, kh + kk > 0);
             }
         wgmma_commit();
         // The last part's dK product runs while dQ is staged (the tensor cores idled through
@@ -557,7 +557,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
             for (int kk = (Parts - 1) * PT / 2; kk < NT / 2; ++kk)
                 wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
-                               sw128_desc(bQ + c * QChunk, 2048 * kk), true);
+                               sw128_desc(bQ, 2 * c * QChunk + 2048 * kk), true);
         wgmma_commit();
         wgmma_wait<1>();
         wgmma_fence_operands(dq);
@@ -768,7 +768,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
             for (int kk = 0; kk < Bc / 16; ++kk)
                 wgmma_ss_tt<Elem>(dq[cc % 2], sw128_desc(sdSt, 2048 * kk),
-                                  sw128_desc(sK + col / 64 * Sub, 2048 * kk), kk > 0);
+                                  sw128_desc(sK + HeadDim / 128 * wg * Sub, 2 * (DQ_COLS / 64 * cc) * Sub + 2048 * kk), kk > 0);
             wgmma_commit();
         };
         // Chunk 0 stages in the warp's part of the warpgroup's Q sub-tiles (2 wg and 2 wg + 1:
