@@ -768,7 +768,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
             for (int kk = 0; kk < Bc / 16; ++kk)
                 wgmma_ss_tt<Elem>(dq[cc % 2], sw128_desc(sdSt, 2048 * kk),
-                                  sw128_desc(sK + HeadDim / 128 * wg * Sub, 2 * (DQ_COLS / 64 * cc) * Sub + 2048 * kk), kk > 0);
+                                  sw128_desc(sK + col / 64 * Sub, 2048 * kk), kk > 0);
             wgmma_commit();
         };
         // Chunk 0 stages in the warp's part of the warpgroup's Q sub-tiles (2 wg and 2 wg + 1:
