@@ -191,7 +191,7 @@ def bench(args):
                          else (BENCH_HEADDIMS, BENCH_SEQLENS))
     headdims, seqlens = args.headdim or headdims, args.seqlen or seqlens
     dtypes = args.dtype or (BENCH_DTYPES[:1] if args.quick else BENCH_DTYPES)
-    impls = args.impl or _bench.DENSE_IMPLS
+    impls = args.impl or _bench.DEFAULT_DENSE_IMPLS
     log = functools.partial(print, flush=True)
     gpu = _bench.gpu_name()
     log(f"{gpu}: {', '.join(dtypes)}, batch x seqlen = {_bench.TOKENS} tokens, nheads x headdim = "
@@ -289,7 +289,8 @@ def main(argv=None):
                                                   "versions (commit real runs to "
                                                   "benchmarks/results/)")
     p.add_argument("--impl", action="append", choices=_bench.DENSE_IMPLS,
-                   help="only these implementations (repeatable; default all that import)")
+                   help="only these implementations (repeatable; default all that import "
+                        "but flex, which compiles per shape)")
     p.add_argument("--headdim", action="append", type=int, choices=BENCH_HEADDIMS,
                    help="only this head dim (repeatable)")
     p.add_argument("--seqlen", action="append", type=int, choices=BENCH_SEQLENS,

@@ -9,9 +9,10 @@ imports it.
 
 The names below are the ones the command line and the scripts use.
 """
-from .cases import (DENSE_IMPLS, HEAD_WIDTH, PASSES, RANDOM_DENSITY, SPARSE_BATCH, SPARSE_BLOCK,
-                    SPARSE_HEADDIM, SPARSE_IMPLS, SPARSE_NHEADS, SPARSE_PATTERNS, TOKENS, WINDOW,
-                    Case, attention_flops, error_text, input_sets, np_dtype, tflops)
+from .cases import (DEFAULT_DENSE_IMPLS, DENSE_IMPLS, HEAD_WIDTH, PASSES, RANDOM_DENSITY,
+                    SPARSE_BATCH, SPARSE_BLOCK, SPARSE_HEADDIM, SPARSE_IMPLS, SPARSE_NHEADS,
+                    SPARSE_PATTERNS, TOKENS, WINDOW, Case, attention_flops, error_text,
+                    input_sets, np_dtype, tflops)
 from .peers import (Ours, Unavailable, compare, failed_row, make_runner, measure,
                     result_row)
 from .reports import (add_ratios, fmt, format_report, gpu_name, pivot, plot, progress_line,
@@ -19,7 +20,7 @@ from .reports import (add_ratios, fmt, format_report, gpu_name, pivot, plot, pro
 from .timing import CupyClock, Timing, release_memory, time_calls
 
 __all__ = [
-    "DENSE_IMPLS", "HEAD_WIDTH", "PASSES", "RANDOM_DENSITY", "SPARSE_BATCH", "SPARSE_BLOCK",
+    "DEFAULT_DENSE_IMPLS", "DENSE_IMPLS", "HEAD_WIDTH", "PASSES", "RANDOM_DENSITY", "SPARSE_BATCH", "SPARSE_BLOCK",
     "SPARSE_HEADDIM", "SPARSE_IMPLS", "SPARSE_NHEADS", "SPARSE_PATTERNS", "TOKENS", "WINDOW",
     "Case", "attention_flops", "error_text", "input_sets", "np_dtype", "tflops",
     "Ours", "Unavailable", "compare", "failed_row", "make_runner", "measure", "result_row",

@@ -4,7 +4,7 @@
 softmax, matmul; the backward by hand); PyTorch SDPA with one backend forced (``sdpa_flash``:
 FlashAttention 2, ``sdpa_cudnn``, ``sdpa_efficient``); FlashAttention-4 (``fa4``: pip
 flash-attn-4, the CuTe DSL kernels, dense cases); FlexAttention (``flex``, block-sparse
-cases). Torch is imported only when a torch runner is made. A runner that cannot run a case
+cases, and dense ones when asked for). Torch is imported only when a torch runner is made. A runner that cannot run a case
 here raises ``Unavailable`` with the reason; ``compare`` turns that, and any peer's failure,
 into a row that says so.
 """
@@ -248,8 +248,6 @@ class FlexRunner(_TorchRunner):
     impl = "flex"
 
     def __init__(self, case, sets32):
-        if case.pattern == "dense" and case.causal:
-            raise Unavailable("FlexAttention is compared on the block-sparse cases")
         self.flex = flex()
         super().__init__(case, sets32)
         self.block_mask, self.note = self.flex.block_mask(case)
@@ -361,6 +359,9 @@ class Flex:
     def block_mask(self, case):
         """(flex BlockMask or None, how it was built) for a block-sparse case."""
         mask, seqlen = case.block_mask, case.seqlen
+        if mask is None and case.causal:   # a dense causal case (its queries and keys align)
+            return (self.fa.create_block_mask(self.mask_mod("causal", None), None, None, seqlen,
+                                              seqlen, device="cuda"), "create_block_mask(causal)")
         if mask is None:
             return None, "no mask"
         mod = self.mask_mod(case.pattern, mask)
