@@ -167,3 +167,18 @@ def test_demo_without_a_driver_says_so_and_runs_the_numpy_path(capsys):
     out = capsys.readouterr().out
     assert out.startswith("no NVIDIA driver found")
     assert "running the NumPy path on the CPU" in out
+
+
+def test_bench_leaves_flex_out_unless_named(monkeypatch, capsys):
+    """The README's peers list: FlexAttention's dense rows only with ``--impl flex`` (the
+    measuring faked: no GPU needed)."""
+    seen = []
+    monkeypatch.setattr(cli, "gpu_or_reason", lambda: (object(), None))
+    monkeypatch.setattr(cli._bench, "gpu_name", lambda: "a GPU")
+    monkeypatch.setattr(cli._bench, "compare", lambda case, impls, *a, **k: seen.append(tuple(impls)) or [])
+    monkeypatch.setattr(cli._bench, "format_report", lambda rows: "")
+    assert cli.main(["bench", "--quick"]) == 0
+    assert seen and all("flex" not in impls and "cupyflash" in impls for impls in seen)
+    seen.clear()
+    assert cli.main(["bench", "--quick", "--impl", "flex"]) == 0
+    assert seen and set(seen) == {("flex",)}

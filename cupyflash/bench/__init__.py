@@ -20,8 +20,9 @@ from .reports import (add_ratios, fmt, format_report, gpu_name, pivot, plot, pro
 from .timing import CupyClock, Timing, release_memory, time_calls
 
 __all__ = [
-    "DEFAULT_DENSE_IMPLS", "DENSE_IMPLS", "HEAD_WIDTH", "PASSES", "RANDOM_DENSITY", "SPARSE_BATCH", "SPARSE_BLOCK",
-    "SPARSE_HEADDIM", "SPARSE_IMPLS", "SPARSE_NHEADS", "SPARSE_PATTERNS", "TOKENS", "WINDOW",
+    "DEFAULT_DENSE_IMPLS", "DENSE_IMPLS", "HEAD_WIDTH", "PASSES", "RANDOM_DENSITY",
+    "SPARSE_BATCH", "SPARSE_BLOCK", "SPARSE_HEADDIM", "SPARSE_IMPLS", "SPARSE_NHEADS",
+    "SPARSE_PATTERNS", "TOKENS", "WINDOW",
     "Case", "attention_flops", "error_text", "input_sets", "np_dtype", "tflops",
     "Ours", "Unavailable", "compare", "failed_row", "make_runner", "measure", "result_row",
     "add_ratios", "fmt", "format_report", "gpu_name", "pivot", "plot", "progress_line",

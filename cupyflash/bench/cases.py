@@ -27,7 +27,7 @@ PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 PASSES = tuple(PASS_FLOP_FACTOR)
 DENSE_IMPLS = ("cupyflash", "naive", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "fa4", "flex")
 # flex compiles a kernel per shape and pass (torch.compile): asked for by name, not by default
-DEFAULT_DENSE_IMPLS = DENSE_IMPLS[:-1]
+DEFAULT_DENSE_IMPLS = tuple(i for i in DENSE_IMPLS if i != "flex")
 SPARSE_IMPLS = ("cupyflash", "flex")
 SPARSE_PATTERNS = ("random", "sliding_window", "causal")
 SPARSE_BATCH, SPARSE_NHEADS, SPARSE_HEADDIM, SPARSE_BLOCK = 1, 16, 128, 128

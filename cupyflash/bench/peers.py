@@ -4,9 +4,9 @@
 softmax, matmul; the backward by hand); PyTorch SDPA with one backend forced (``sdpa_flash``:
 FlashAttention 2, ``sdpa_cudnn``, ``sdpa_efficient``); FlashAttention-4 (``fa4``: pip
 flash-attn-4, the CuTe DSL kernels, dense cases); FlexAttention (``flex``, block-sparse
-cases, and dense ones when asked for). Torch is imported only when a torch runner is made. A runner that cannot run a case
-here raises ``Unavailable`` with the reason; ``compare`` turns that, and any peer's failure,
-into a row that says so.
+cases, and dense ones when asked for). Torch is imported only when a torch runner is made. A
+runner that cannot run a case here raises ``Unavailable`` with the reason; ``compare`` turns
+that, and any peer's failure, into a row that says so.
 """
 import functools
 
@@ -357,7 +357,8 @@ class Flex:
                                                     mask_mod=mod)
 
     def block_mask(self, case):
-        """(flex BlockMask or None, how it was built) for a block-sparse case."""
+        """(flex BlockMask or None, how it was built) for a case: a block-sparse one's pattern,
+        a dense causal one's rule, none for a dense one."""
         mask, seqlen = case.block_mask, case.seqlen
         if mask is None and case.causal:   # a dense causal case (its queries and keys align)
             return (self.fa.create_block_mask(self.mask_mod("causal", None), None, None, seqlen,
