@@ -54,6 +54,16 @@ struct KeyBlocks {
         const int after = count - pivot;
         return it < after ? pivot + it : pivot - 1 - (it - after);
     }
+    // How many blocks, from the first, the rows [row0, row0 + rows) of the tile see: a
+    // sub-tile of a dense walk in key order may stop early. Rows all past seqlen_q walk one
+    // block (nothing of theirs is stored); a block list keeps the tile's count.
+    template <typename V, typename Params>
+    __device__ __forceinline__ int blocks_seen(const Mask<V, Params>& mask, int row0, int rows, int Bc) const {
+        if (idx) return count;
+        const int last = min(row0 + rows, mask.seqlen_q()) - 1;
+        const int end = last < row0 ? 0 : (mask.key_end(last) + Bc - 1) / Bc - first;
+        return min(count, max(end, 1));
+    }
     template <typename V>
     __device__ __forceinline__ bool needs_mask(int it, int Bc) const {
         if (idx) return it < n_partial;

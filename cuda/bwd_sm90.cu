@@ -622,7 +622,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 // - S^T = K Q^T and dP^T = V dO^T over the whole head dim, each warpgroup for 32 of the
 //   queries (wgmma m64n32);
 // - P^T and dS^T of those queries through the shared pieces into shared memory (one tile of
-//   64 keys x 64 queries each, both warpgroups' halves), then, with both halves there:
+//   64 keys x 64 queries each, both warpgroups' halves; two steps' tiles, alternating, so that
+//   a warpgroup may start the next step while the other is still adding this one's dQ; one
+//   with a user score_mod, whose gradients are staged in the shared memory that the second
+//   takes), then, with both halves there:
 // - dV += P^T dO and dK += dS^T Q for the warpgroup's columns, both operands from shared
 //   memory; dQ (all 64 rows x the warpgroup's columns) = dS K, 64 columns at a time (m64n64:
 //   dS is read from shared memory once per chunk), the second chunk's product running while
@@ -630,8 +633,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 //   stages are the step's own Q and dO sub-tiles of the warpgroup's columns, free once its dK
 //   and dV products have read them; the step's Q and dO go back to the producer once the adds
 //   have read them.
-// Shared memory: K and V (64 keys x 256), two stages of Q and dO (64 rows x 256) and the P^T
-// and dS^T tiles: 209 KB with the alignment.
+// Shared memory: K and V (64 keys x 256), two stages of Q and dO (64 rows x 256) and two
+// steps' P^T and dS^T tiles: 225 KB with the alignment (209 KB with one step's).
 template <typename Elem, typename V>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
@@ -647,8 +650,8 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sV = sK + Chunks * Sub;
     u16* sQ = sV + Chunks * Sub;
     u16* sdO = sQ + Stages * Chunks * Sub;
-    u16* sPt = sdO + Stages * Chunks * Sub;
-    u16* sdSt = sPt + Sub;
+    constexpr int TileSteps = V::UserScore ? 1 : 2;
+    u16* sTiles = sdO + Stages * Chunks * Sub;   // step g's P^T and dS^T: tiles 2 t and 2 t + 1, t = g % TileSteps
 
     if constexpr (!V::Band) launch_dependents();
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
@@ -676,7 +679,6 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 
     const int warp = warp_uniform(), lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
     const int t = lane % 4, key_w = 16 * wq, q_w = QW * wg;   // the warp's first key, the warpgroup's first query
-    const u32 sPt_s = smem_addr(sPt), sdSt_s = smem_addr(sdSt);
     ScoreMod<V, BwdParams> mod(p);
 
     float dk[1][DT][4], dv[1][DT][4];   // the warpgroup's 128 columns
@@ -694,6 +696,9 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         mask.at_head(seq.b, h);
         u16* bQ = sQ + buf * Chunks * Sub;   // its sub-tiles 2 wg and 2 wg + 1 also stage dQ (below),
         u16* bdO = sdO + buf * Chunks * Sub;   // and so do dO's
+        u16* sPt = sTiles + 2 * (g % TileSteps) * Sub;
+        u16* sdSt = sPt + Sub;
+        const u32 sPt_s = smem_addr(sPt), sdSt_s = smem_addr(sdSt);
 
         // S^T and dP^T for the warpgroup's 32 queries (rows q_w.. of the Q and dO sub-tiles:
         // 32 rows = 4096 bytes), over the head dim's four sub-tiles.
@@ -711,7 +716,9 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         }
 
         // P^T into its tile (keys as rows, K-major for dV's A operand), and in st the factor
-        // of dS^T; the tiles are free: both warpgroups passed the end of the last step.
+        // of dS^T; the tiles are free: with one step's tiles, both warpgroups passed the end
+        // of the last step; with two, the other warpgroup passed the last step's barrier 6
+        // below only once done with the step before, which used them.
         auto stat = [&](int nt, int j) { return sstat[buf][q_w + nt * 8 + 2 * t + j]; };
         wgmma_wait<1>();
         wgmma_fence_operands(st_flat);
@@ -799,14 +806,16 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         if (order) dq_turn_end(order, lane);
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
-        named_bar_sync(6, Consumers);   // both warpgroups are done with P^T and dS^T
+        if (TileSteps == 1) named_bar_sync(6, Consumers);   // both warpgroups are done with P^T and dS^T
     }
     if (lane == 0) bulk_wait<0>();
-    // The last barrier of the loop has every consumer's adds to the staged gradients done.
+    // Both warpgroups' products are done with K and V, and every consumer's adds to the staged
+    // gradients are in.
+    if (TileSteps == 2) named_bar_sync(6, Consumers);
     if constexpr (V::UserScore) stage_user_grads<true>(p.user, threadIdx.x, Consumers);
 
     // dK = scale * dk and dV of the warpgroup's columns through K and V's sub-tiles 2 wg and
-    // 2 wg + 1 (the last barrier has every product done with them) to bulk stores.
+    // 2 wg + 1 to bulk stores.
     u16* stK = sK + 2 * wg * Sub;
     u16* stV = sV + 2 * wg * Sub;
     const float scale = static_cast<float>(p.scale);

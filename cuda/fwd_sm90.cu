@@ -78,6 +78,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr bool Speculate = Settled && HeadDim <= 128 && !V::Softcap;
     // The descriptors' two words joined (sm90.cuh) but at head dim 128.
     constexpr bool JoinedDesc = HeadDim != 128;
+    // A consumer walks only the key blocks its own rows see where a band cuts the tile's
+    // blocks between its consumers: causal or windowed, with three consumers (192 rows on
+    // 128-key blocks) or blocks narrower than 128 keys. Elsewhere (non-causal, or 128 rows on
+    // 128 keys) only a sequence's tail would skip, and that measured 0.6-0.9% slower
+    // (benchmarks/NOTES.md); ALiBi's pivoted order and block lists visit every block.
+    constexpr bool OwnWalk = V::Band && !V::Alibi && (Groups == 3 || Bc != 128);
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
     // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
     // registers of a second block per SM, and the kernel was slower than the generic one.
@@ -267,6 +273,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         mod.at_head(at.batch, h);
         const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
         const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), row0);
+        // The blocks this warpgroup's rows see, from the tile's first. Past them it keeps its
+        // turns and releases the buffers, so that the ring and the producer go on as for the
+        // others. Its index from lane 0: the count stays in a uniform register (from threadIdx
+        // it spilled with three consumers).
+        const int own = OwnWalk ? kb.blocks_seen(mask, row0 + 64 * (warp_uniform() / 4), 64, Bc) : kb.count;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
@@ -287,7 +298,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // it stages O).
         auto scores_done = [&](int it) {
             release(&k_empty[(g + it) % Stages]);
-            if (OwnStage && it == kb.count - 1) release_q();
+            if (OwnStage && it == own - 1) release_q();
         };
         // S of block `it` has landed (where the softmax speculates, K and Q are kept until its
         // step).
@@ -348,7 +359,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             scores_landed(0);
             softmax_step(0, alpha);   // O is still zero: nothing to rescale
             pack_p();
-            for (int it = 1; it < kb.count; ++it) {
+            for (int it = 1; it < own; ++it) {
                 my_turn();
                 issue_qk(g + it);
                 issue_pv(g + it - 1);
@@ -363,11 +374,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 pack_p();
             }
             my_turn();
-            issue_pv(g + kb.count - 1);
+            issue_pv(g + own - 1);
             hand_on();
             wgmma_wait<0>();
             wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(acc));
-            release(&v_empty[(g + kb.count - 1) % Stages]);
+            release(&v_empty[(g + own - 1) % Stages]);
+            // A buffer is released once its copy has landed: an earlier arrival could count
+            // towards its previous use.
+            for (int it = own; it < kb.count; ++it) {
+                my_turn();
+                hand_on();
+                const int buf = (g + it) % Stages;
+                const unsigned use = ((g + it) / Stages) & 1;
+                mbar_wait(&k_full[buf], use);
+                release(&k_empty[buf]);
+                mbar_wait(&v_full[buf], use);
+                release(&v_empty[buf]);
+            }
         } else if (OwnStage) {
             release_q();
         }
