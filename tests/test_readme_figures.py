@@ -1,6 +1,7 @@
-"""The README's Hopper table (ours / cuDNN SDPA / FlashAttention-4 TFLOP/s, bf16), its
+"""The README's Hopper table (ours / cuDNN SDPA / SDPA flash TFLOP/s, bf16), its
 packed-batch table and its host-time figures are the benchmark JSONs they name: every figure
-(for the Hopper table also the fp16 remark and FlashAttention-4's release) read from that file. No GPU: the JSONs are
+(for the Hopper table also the fp16 remark, the cells short of target, FlexAttention's and
+FlashAttention-4's ratios and FlashAttention-4's release) read from that file. No GPU: the JSONs are
 committed runs."""
 import json
 import re
@@ -27,7 +28,7 @@ def _tflops(path):
 
 def test_readme_hopper_figures_are_the_cited_run():
     text = _hopper_paragraph()
-    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", text)
+    path, flex_path, fa4_path = re.findall(r"`(benchmarks/results/[^`]+\.json)`", text)
     t = _tflops(path)
     lines = re.findall(r"^- (forward|backward) d=(\d+): (.*?);?$", text, re.M)
     assert len(lines) == 6
@@ -38,13 +39,64 @@ def test_readme_hopper_figures_are_the_cited_run():
             assert len(triples) == len(SEQLENS)
             for s, figures in zip(SEQLENS, triples):
                 key = ({"forward": "fwd", "backward": "bwd"}[pass_name], "bfloat16", int(hd), is_causal, s)
-                assert figures == tuple(round(t[(impl,) + key]) for impl in ("cupyflash", "sdpa_cudnn", "fa4")), key
+                assert figures == tuple(round(t[(impl,) + key]) for impl in ("cupyflash", "sdpa_cudnn", "sdpa_flash")), key
     (percent,) = re.findall(r"ours in fp16 up to ([\d.]+)% lower", text)
     worst = max(1 - t[("cupyflash", p, "float16", hd, c, s)] / t[("cupyflash", p, "bfloat16", hd, c, s)]
                 for p in ("fwd", "bwd") for hd in (64, 128, 256) for c in (False, True) for s in SEQLENS)
     assert round(100 * worst, 1) == float(percent)
+
+
+def _over_cudnn(t, p, dtype, hd, causal, s):
+    return t[("cupyflash", p, dtype, hd, causal, s)] / t[("sdpa_cudnn", p, dtype, hd, causal, s)]
+
+
+def test_readme_hopper_target_count_is_the_cited_run():
+    """The cells short of the issue's targets, and the closest passing ones, are that run's."""
+    text = _hopper_paragraph()
+    t = _tflops(re.findall(r"`(benchmarks/results/[^`]+\.json)`", text)[0])
+    ratios = {(p, dt, hd, c, s): _over_cudnn(t, p, dt, hd, c, s)
+              for p in ("fwd", "bwd") for dt in ("bfloat16", "float16") for hd in (64, 128, 256)
+              for c in (False, True) for s in (2048, 4096, 8192, 16384)}
+    target = {k: 0.95 if k[0] == "bwd" and k[2] == 256 else 1.05 for k in ratios}
+    short = sorted(k for k, r in ratios.items() if r < target[k])
+    total, n_short = (int(x) for x in re.search(r"the same run's (\d+) cells .*?fall short in (\d+)", text, re.S).groups())
+    assert (total, n_short) == (len(ratios), len(short))
+    assert short == [("fwd", "bfloat16", 64, True, 2048), ("fwd", "float16", 64, True, 2048)]
+    bf, fp = re.search(r"d=64 causal forward at 2K, ([\d.]+)x in bf16 and ([\d.]+)x in fp16", text).groups()
+    assert (f"{ratios[short[0]]:.3f}", f"{ratios[short[1]]:.3f}") == (bf, fp)
+    closest = re.search(r"closest passing cells: (.*?)\.\n", text, re.S).group(1)
+    named = [(p, {"bf16": "bfloat16", "fp16": "float16"}[dt], int(hd), bool(c), int(s) * 1024, r)
+             for hd, p, c, s, r, dt in re.findall(
+                 r"d=(\d+)\s+(forward|backward)\s+at\s+(causal\s+)?(\d+)K\s+\(([\d.]+)x,\s+(bf16|fp16)\)", closest)]
+    named = [({"forward": "fwd", "backward": "bwd"}[p], *k) for p, *k in named]
+    margins = sorted((r / target[k], k) for k, r in ratios.items() if r >= target[k])
+    assert [k[:5] for k in named] == [k for _, k in margins[:3]]
+    assert [k[5] for k in named] == [f"{ratios[k[:5]]:.3f}" for k in named]
+
+
+def test_readme_flex_and_fa4_figures_are_the_cited_runs():
+    text = _hopper_paragraph()
+    _, flex_path, fa4_path = re.findall(r"`(benchmarks/results/[^`]+\.json)`", text)
+    flex = _tflops(flex_path)
+    found = re.search(r"ours runs ([\d.]+)-([\d.]+)x its forward and ([\d.]+)-([\d.]+)x its backward", text).groups()
+    figures = []
+    for p in ("fwd", "bwd"):
+        r = [flex[("cupyflash", p, "bfloat16", hd, c, s)] / flex[("flex", p, "bfloat16", hd, c, s)]
+             for hd in (64, 128, 256) for c in (False, True) for s in SEQLENS]
+        figures += [f"{min(r):.2f}", f"{max(r):.2f}"]
+    assert tuple(figures) == found
+    fa4 = _tflops(fa4_path)
+    claims = re.findall(r"([\d.]+)-([\d.]+)\s+(?:in\s+the\s+d=|at\s+d=)(\d+)(?:\s+(forward|backward))?",
+                        text[text.index("ours over FlashAttention-4"):])
+    assert len(claims) == 6
+    p = None
+    for lo, hi, hd, named in claims:
+        p = {"forward": "fwd", "backward": "bwd"}.get(named, p)
+        r = [fa4[("cupyflash", p, "bfloat16", int(hd), c, s)] / fa4[("fa4", p, "bfloat16", int(hd), c, s)]
+             for c in (False, True) for s in (2048, 4096, 8192, 16384)]
+        assert (f"{min(r):.2f}", f"{max(r):.2f}") == (lo, hi), (p, hd)
     release, dsl = re.search(r"release ([\w.]+) with\s+nvidia-cutlass-dsl ([\d.]+)", text).groups()
-    versions = json.loads((ROOT / path).read_text())["versions"]
+    versions = json.loads((ROOT / fa4_path).read_text())["versions"]
     assert (versions["flash-attn-4"], versions["nvidia-cutlass-dsl-libs-base"]) == (release, dsl)
 
 
