@@ -7,7 +7,9 @@ runs its own kernels), the trees interleaved rep by rep so that clock drift hits
 
 A tree that holds a ``cupyflash`` package beside its ``cuda`` folder (``git archive HEAD
 cupyflash cuda``) is a whole-package tree: its process imports that package (PYTHONPATH), for
-changes on the host side too; ``new=.`` is the working tree's.
+changes on the host side too; ``new=.`` is the working tree's. ``--warm`` first runs every
+tree once, all at the same time and untimed, so that their kernels compile in parallel (on a
+machine whose CuPy cache lacks them, the first round otherwise compiles one kernel at a time).
 
 A cell is headdim:seqlen:causal(0/1):passes[:rule], at the bench's shapes (16K tokens, 2048 =
 heads x headdim); a rule of bench_variants.py's ours_keywords (softcap, alibi, user_alibi,
@@ -127,6 +129,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--peer", action="store_true", help="cuDNN SDPA's rows in the first round")
     ap.add_argument("--json", help="also write every row (with its tree and rep) to this file")
+    ap.add_argument("--warm", action="store_true",
+                    help="first run every tree once at the same time, untimed: their kernels compile in parallel")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -138,14 +142,27 @@ def main(argv=None):
         print("ROWS " + json.dumps(rows), flush=True)
         return 0
     trees = [t.split("=", 1) for t in args.trees]
+
+    def command(tree, calls, peer):
+        package = Path(tree, "cupyflash").is_dir()
+        cmd = [sys.executable, __file__, "--one", str(Path(tree, "cuda")) if package else tree,
+               "--dtype", args.dtype, "--calls", str(calls), *(["--peer"] if peer else []), "--", *cells]
+        return cmd, dict(os.environ, PYTHONPATH=str(Path(tree).resolve())) if package else os.environ
+
+    if args.warm:
+        warming = []
+        for name, tree in trees:
+            cmd, env = command(tree, 1, False)
+            warming.append((name, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                   text=True)))
+        for name, w in warming:
+            _, err = w.communicate()
+            if w.returncode:
+                print(f"{name}: warm-up failed\n{err[-3000:]}", flush=True)
     table, failed, everything = {}, False, []
     for rep in range(args.reps):
         for i, (name, tree) in enumerate(trees):
-            package = Path(tree, "cupyflash").is_dir()
-            cmd = [sys.executable, __file__, "--one", str(Path(tree, "cuda")) if package else tree,
-                   "--dtype", args.dtype, "--calls", str(args.calls),
-                   *(["--peer"] if args.peer and i == 0 and rep == 0 else []), "--", *cells]
-            env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve())) if package else os.environ
+            cmd, env = command(tree, args.calls, args.peer and i == 0 and rep == 0)
             p = subprocess.run(cmd, capture_output=True, text=True, env=env)
             found = [line for line in p.stdout.splitlines() if line.startswith("ROWS ")]
             if not found:
