@@ -934,10 +934,10 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=False, q=True)
     _check_lists(p, "q_blocks", keys, rows)
     # K, V, two stages of Q and dO (`rows` rows); keys x rows tiles of dS^T, two steps', or 64
-    # x 64 of P^T and dS^T (wide), two steps' but one's with a user score_mod; eight warps' fp32 dQ stages (16 rows x the warpgroup's dQ
-    # columns: hd at 128 rows, else hd / 2; 16 columns x 80 queries at 80 rows; none wide,
-    # whose stages are in Q and dO's tiles); 1 KB to align; then a user score_mod's staged
-    # gradients.
+    # x 64 of P^T and dS^T (wide), two steps' but one's with a user score_mod; eight warps'
+    # fp32 dQ stages (16 rows x the warpgroup's dQ columns: hd at 128 rows, else hd / 2; 16
+    # columns x 80 queries at 80 rows; none wide, whose stages are in Q and dO's tiles); 1 KB
+    # to align; then a user score_mod's staged gradients.
     dq_cols = 0 if hd == 256 else hd if rows == 128 else rows if rows == 80 else hd // 2
     tiles_kq = 4 if hd == 256 and not spec.score_mod else 2
     smem = (2 * keys + 4 * rows) * hd * 2 + tiles_kq * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
