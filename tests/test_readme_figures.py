@@ -11,6 +11,7 @@ from cupyflash import _launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQLENS = (2048, 8192, 16384)
+TARGET_SEQLENS = (2048, 4096, 8192, 16384)   # the Hopper issue's targets, and FA4's run
 
 
 def _hopper_paragraph():
@@ -20,6 +21,12 @@ def _hopper_paragraph():
     return text[start:end]
 
 
+def _hopper_runs():
+    """The paragraph and its three cited runs: the table's, FlexAttention's, FlashAttention-4's."""
+    text = _hopper_paragraph()
+    return (text, *re.findall(r"`(benchmarks/results/[^`]+\.json)`", text))
+
+
 def _tflops(path):
     rows = json.loads((ROOT / path).read_text())["rows"]
     return {(r["impl"], r["pass"], r["dtype"], r["headdim"], r["causal"], r["seqlen"]): r["tflops"]
@@ -27,8 +34,7 @@ def _tflops(path):
 
 
 def test_readme_hopper_figures_are_the_cited_run():
-    text = _hopper_paragraph()
-    path, flex_path, fa4_path = re.findall(r"`(benchmarks/results/[^`]+\.json)`", text)
+    text, path, _, _ = _hopper_runs()
     t = _tflops(path)
     lines = re.findall(r"^- (forward|backward) d=(\d+): (.*?);?$", text, re.M)
     assert len(lines) == 6
@@ -46,17 +52,13 @@ def test_readme_hopper_figures_are_the_cited_run():
     assert round(100 * worst, 1) == float(percent)
 
 
-def _over_cudnn(t, p, dtype, hd, causal, s):
-    return t[("cupyflash", p, dtype, hd, causal, s)] / t[("sdpa_cudnn", p, dtype, hd, causal, s)]
-
-
 def test_readme_hopper_target_count_is_the_cited_run():
     """The cells short of the issue's targets, and the closest passing ones, are that run's."""
-    text = _hopper_paragraph()
-    t = _tflops(re.findall(r"`(benchmarks/results/[^`]+\.json)`", text)[0])
-    ratios = {(p, dt, hd, c, s): _over_cudnn(t, p, dt, hd, c, s)
+    text, path, _, _ = _hopper_runs()
+    t = _tflops(path)
+    ratios = {(p, dt, hd, c, s): t[("cupyflash", p, dt, hd, c, s)] / t[("sdpa_cudnn", p, dt, hd, c, s)]
               for p in ("fwd", "bwd") for dt in ("bfloat16", "float16") for hd in (64, 128, 256)
-              for c in (False, True) for s in (2048, 4096, 8192, 16384)}
+              for c in (False, True) for s in TARGET_SEQLENS}
     target = {k: 0.95 if k[0] == "bwd" and k[2] == 256 else 1.05 for k in ratios}
     short = sorted(k for k, r in ratios.items() if r < target[k])
     total, n_short = (int(x) for x in re.search(r"the same run's (\d+) cells .*?fall short in (\d+)", text, re.S).groups())
@@ -75,8 +77,7 @@ def test_readme_hopper_target_count_is_the_cited_run():
 
 
 def test_readme_flex_and_fa4_figures_are_the_cited_runs():
-    text = _hopper_paragraph()
-    _, flex_path, fa4_path = re.findall(r"`(benchmarks/results/[^`]+\.json)`", text)
+    text, _, flex_path, fa4_path = _hopper_runs()
     flex = _tflops(flex_path)
     found = re.search(r"ours runs ([\d.]+)-([\d.]+)x its forward and ([\d.]+)-([\d.]+)x its backward", text).groups()
     figures = []
@@ -93,7 +94,7 @@ def test_readme_flex_and_fa4_figures_are_the_cited_runs():
     for lo, hi, hd, named in claims:
         p = {"forward": "fwd", "backward": "bwd"}.get(named, p)
         r = [fa4[("cupyflash", p, "bfloat16", int(hd), c, s)] / fa4[("fa4", p, "bfloat16", int(hd), c, s)]
-             for c in (False, True) for s in (2048, 4096, 8192, 16384)]
+             for c in (False, True) for s in TARGET_SEQLENS]
         assert (f"{min(r):.2f}", f"{max(r):.2f}") == (lo, hi), (p, hd)
     release, dsl = re.search(r"release ([\w.]+) with\s+nvidia-cutlass-dsl ([\d.]+)", text).groups()
     versions = json.loads((ROOT / fa4_path).read_text())["versions"]
