@@ -356,3 +356,22 @@ def test_readme_launch_group_gains_are_the_cited_runs():
         assert series == sorted(series, reverse=True), (pass_, d, series)
     (worst,) = re.findall(r"no cell more than ([\d.]+)% slower", para)
     assert round(-min(gains.values()), 1) <= float(worst)
+
+
+def test_readme_half_l2_group_gains_are_the_cited_run():
+    """The forward's half-L2 groups above head dim 128: the range of gains (the mean of tree
+    "g32"'s reps over base's) of every d=256 cell of the cited run, both dtypes and calls."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Above head dim 128, where the forward takes a block per tile")
+    sentence = text[start:text.index("Everything else (dropout", start)]
+    lo, hi = (float(x) for x in re.search(r"([\d.]+)-([\d.]+)% faster at d=256 causal", sentence).groups())
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
+    means = {}
+    for r in json.loads((ROOT / path).read_text())["rows"]:
+        if r["impl"] == "cupyflash":
+            means.setdefault((r["call"], r["dtype"], r["cell"], r["tree"]), []).append(r["tflops"])
+    gains = [100 * (sum(v) / len(v) / (sum(b) / len(b)) - 1)
+             for (call, dtype, cell, tree), v in means.items() if tree == "g32" and cell.startswith("256:")
+             for b in [means[(call, dtype, cell, "base")]]]
+    assert len(gains) == 10
+    assert (round(min(gains), 1), round(max(gains), 1)) == (lo, hi)

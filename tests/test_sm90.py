@@ -481,6 +481,18 @@ def test_causal_launch_groups_of_the_hopper_passes_fit_in_l2(pair_mib, pairs, gr
     assert _launch._launch_group(pairs, 16, int(pair_mib * 2**20)) == group
 
 
+@pytest.mark.parametrize("d, group", [(64, 64), (128, 32), (192, 16), (256, 8)])
+def test_causal_forward_groups_fill_half_the_l2_above_head_dim_128(d, group, monkeypatch):
+    """The Hopper forward's groups at 2K keys (bf16 K and V, 50 MiB of L2): the pairs whose K and
+    V fit the L2 where the kernel is persistent (head dim <= 128), half of it above (a block per
+    tile: measured faster there)."""
+    attrs = {"L2CacheSize": 50 << 20, "MultiProcessorCount": 132}
+    monkeypatch.setattr(_launch, "_device_attribute", attrs.__getitem__)
+    k = v = np.empty((1, 1, 1, d), np.float16)
+    pair_bytes = _launch.sm90_fwd_pair_bytes(_launch.sm90_headdim(d), 2048, k, v)
+    assert _launch._launch_group(256, 16, pair_bytes) == group
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("how", ["slopes", "table"])
