@@ -157,28 +157,40 @@ def test_readme_eager_decode_figures_are_the_cited_run():
     assert all(abs(r["eager_unchecked_ms"] / r["ms"] - 1) < 0.05 for r in rows)
 
 
-def test_readme_rotated_decode_figures_are_the_cited_run():
-    """The batch-1 decode figures timed with the cache copies rotating: each layout's fraction of
-    copy, cuDNN's, and the number of copies at 8K, read from the JSON the sentence names."""
+def test_readme_decode_table_is_the_cited_run():
+    """The decode table (each batch and context: contiguous / page 16 / page 256 fractions of
+    copy), cuDNN's sentence and the gather range are read from the bench_decode JSON the
+    paragraph names, whose small caches rotated among copies."""
     text = (ROOT / "README.md").read_text()
-    start = text.index("the bench now rotates among copies")
-    sentence = text[start:text.index("Eager calls", start)]
-    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
-    rows = json.loads((ROOT / path).read_text())["rows"]
+    start = text.index("**Decoding**: `python benchmarks/bench_decode.py")
+    para = text[start:text.index("A single short", start)]
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", para)
+    rows = [r for r in json.loads((ROOT / path).read_text())["rows"] if "of_copy" in r]
 
-    def of_copy(impl, layout, context):
-        (r,) = [r for r in rows if r["impl"] == impl and r["layout"] == layout and r["context"] == context]
-        return r
+    def of_copy(impl, layout, batch, context):
+        (r,) = [r for r in rows if (r["impl"], r["layout"], r["batch"], r["context"]) == (impl, layout, batch, context)]
+        return round(r["of_copy"], 2)
 
-    words = {"five": 5}
-    (copies,) = re.findall(r"(\w+) copies\)", sentence)
-    assert of_copy("cupyflash", "contiguous", 8192)["cache_copies"] == words[copies]
-    for context, part in ((8192, sentence.split("; 32K")[0]), (32768, sentence.split("; 32K")[1])):
-        ours = tuple(float(x) for x in re.search(r"([\d.]+) /\s+([\d.]+) / ([\d.]+)", part).groups())
-        assert ours == tuple(round(of_copy("cupyflash", layout, context)["of_copy"], 2)
-                             for layout in ("contiguous", "page16", "page256"))
-        (cudnn,) = re.findall(r"cuDNN(?: SDPA)? (\d+\.\d+)", part)
-        assert float(cudnn) == round(of_copy("sdpa_cudnn_attention", "contiguous", context)["of_copy"], 2)
+    contexts = (8192, 32768, 131072)
+    table = re.findall(r"^\| (\d+) \| (.*) \|$", para, re.M)
+    assert [int(b) for b, _ in table] == [1, 8, 64]
+    for batch, cells in table:
+        for context, cell in zip(contexts, cells.split(" | "), strict=True):
+            assert tuple(float(x) for x in cell.split(" / ")) == tuple(
+                of_copy("cupyflash", layout, int(batch), context) for layout in ("contiguous", "page16", "page256"))
+    cudnn = para[para.index("cuDNN SDPA in the same run"):]
+    for batch, figures in ((1, r"([\d.]+) / ([\d.]+) / ([\d.]+) at batch 1"),
+                           (8, r"([\d.]+) / ([\d.]+) /\s+([\d.]+) at batch 8")):
+        assert tuple(float(x) for x in re.search(figures, cudnn).groups()) == tuple(
+            of_copy("sdpa_cudnn_attention", "contiguous", batch, c) for c in contexts)
+    assert float(re.search(r"([\d.]+) at batch 64", cudnn).group(1)) == of_copy(
+        "sdpa_cudnn_attention", "contiguous", 64, contexts[0])
+    assert {of_copy("sdpa_cudnn_attention", "contiguous", 64, c) for c in contexts} == {1.04}
+    rotated = [r for r in rows if r["impl"] == "cupyflash" and r["batch"] == 1 and r["context"] == 8192]
+    assert all(r["cache_copies"] > 1 for r in rotated)
+    gather = [r["of_copy"] for r in rows if r["impl"] == "gather_sdpa" and r["context"] >= 8192]
+    lo, hi = (float(x) for x in re.search(r"gather-then-SDPA ([\d.]+)-([\d.]+) from 8K up", cudnn).groups())
+    assert (round(min(gather), 2), round(max(gather), 2)) == (lo, hi)
 
 
 def test_readme_host_time_figures_are_the_cited_runs():
@@ -375,3 +387,34 @@ def test_readme_half_l2_group_gains_are_the_cited_run():
              for b in [means[(call, dtype, cell, "base")]]]
     assert len(gains) == 10
     assert (round(min(gains), 1), round(max(gains), 1)) == (lo, hi)
+
+
+def test_readme_user_mod_speed_is_the_cited_run():
+    """The user mods' speed bullet: every ratio and time read from the bench_variants JSON it
+    names (d=128, 8K)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("- **Speed** (H200, bf16, d=128, 8K; `benchmarks/bench_variants.py")
+    bullet = " ".join(text[start:text.index("- **Adapters**", start)].split())
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", bullet)
+    ms = {(r["impl"], r["rule"], r["causal"], r["pass"]): r["ms"]
+          for r in json.loads((ROOT / path).read_text())["rows"] if r.get("ms")}
+
+    def ours(rule, causal, pass_):
+        return ms[("cupyflash", rule, causal, pass_)]
+
+    def spread(xs, fmt=".2f"):
+        lo, hi = format(min(xs), fmt), format(max(xs), fmt)
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    mask = [ours("user_causal", False, p) / ours("plain", True, p) for p in ("fwd", "bwd")]
+    assert (f"A mask_mod spelling causal takes {mask[0]:.2f}x the forward time of `causal=True` "
+            f"and {mask[1]:.2f}x its backward") in bullet
+    alibi = {p: [ours("user_alibi", c, p) / ours("alibi", c, p) for c in (False, True)] for p in ("fwd", "bwd")}
+    assert (f"a score_mod spelling ALiBi takes {spread(alibi['fwd'])}x the built-in's forward time and "
+            f"{spread(alibi['bwd'])}x its backward") in bullet
+    t5 = [ours("relative_bias", c, p) for c in (False, True) for p in ("fwd", "bwd")]
+    assert (f"a T5 relative bias takes {t5[0]:.2f} / {t5[1]:.2f} ms forward / backward "
+            f"(causal {t5[2]:.2f} / {t5[3]:.2f})") in bullet
+    table = [ours("relative_bias_dtable", c, "bwd") for c in (False, True)]
+    times = [ours("relative_bias_dtable", c, "bwd") / ours("relative_bias", c, "bwd") for c in (False, True)]
+    assert (f"took {table[0]:.0f} ms ({table[1]:.0f} causal), {spread(times, '.0f')}x the one without") in bullet
