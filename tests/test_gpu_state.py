@@ -193,15 +193,13 @@ def _run_child(args, cache_dir=None, env=None, as_user=None):
     if cache_dir is not None:
         child_env["CUPY_CACHE_DIR"] = str(cache_dir)
     child_env.update(env or {})
-    preexec = None
-    if as_user is not None:
-        def preexec():
-            os.setgroups([])
-            os.setgid(as_user)
-            os.setuid(as_user)
+    def preexec():
+        os.setgroups([])
+        os.setgid(as_user)
+        os.setuid(as_user)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], cwd=ROOT,
                           env=child_env, capture_output=True, text=True,
-                          timeout=CHILD_TIMEOUT, preexec_fn=preexec)
+                          timeout=CHILD_TIMEOUT, preexec_fn=None if as_user is None else preexec)
     lines = proc.stdout.strip().splitlines()
     result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
     return proc.returncode, result, proc.stderr
