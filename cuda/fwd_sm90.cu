@@ -210,10 +210,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // its own thread's accesses: every consumer thread, having read it, arrives.
     int qb = 0;   // the tile's Q buffer
     auto release_q = [&]() { mbar_arrive(&q_empty[qb]); };
+    // Key block g's buffer, once its K (full = k_full) or V (v_full) copy has landed.
+    auto landed = [&](unsigned long long* full, int g) {
+        mbar_wait(&full[g % Stages], (g / Stages) & 1);
+        return g % Stages;
+    };
     // S = Q K^T of key block g: the warpgroup's 64 rows x Bc keys, k16 steps over the head dim.
     auto issue_qk = [&](int g) {
-        const int buf = g % Stages;
-        mbar_wait(&k_full[buf], (g / Stages) & 1);
+        const int buf = landed(k_full, g);
         wgmma_fence();
 #pragma unroll
         for (int c = 0; c < Halves; ++c)
@@ -227,8 +231,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // product spans every column (N = HeadDim, its 64-column atoms SubKV apart): the tensor
     // cores read P's registers once per k16 step, not once per 64 columns.
     auto issue_pv = [&](int g) {
-        const int buf = g % Stages;
-        mbar_wait(&v_full[buf], (g / Stages) & 1);
+        const int buf = landed(v_full, g);
         // After the wait's loop: a fence the compiler inserted there itself serialized the products.
         wgmma_fence();
 #pragma unroll
@@ -386,12 +389,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             for (int it = own; it < kb.count; ++it) {
                 my_turn();
                 hand_on();
-                const int buf = (g + it) % Stages;
-                const unsigned use = ((g + it) / Stages) & 1;
-                mbar_wait(&k_full[buf], use);
-                release(&k_empty[buf]);
-                mbar_wait(&v_full[buf], use);
-                release(&v_empty[buf]);
+                release(&k_empty[landed(k_full, g + it)]);
+                release(&v_empty[landed(v_full, g + it)]);
             }
         } else if (OwnStage) {
             release_q();

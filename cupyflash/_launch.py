@@ -619,34 +619,34 @@ def _generic_smem(d_bucket, itemsize):
     return 2 * _config.GENERIC_CHUNK * (d_bucket + 1) * itemsize
 
 
-def _tile_grid(p, tiles, heads, batch, causal, pair_bytes=0):
+def _tile_grid(p, tiles, heads, batch, causal, pair_bytes=0, l2_part=1):
     """The grid of a tensor-core pass over tiles x heads x batch (block_coord in
     cuda/block_iter.cuh). A causal pass gets (group, tiles, groups), which starts the long
     tiles of a group of (head, batch) pairs before its short ones (``_launch_group`` pairs;
-    ``pair_bytes`` as there)."""
+    ``pair_bytes`` and ``l2_part`` as there)."""
     p["launch_group"] = 0
     if not causal:
         return (tiles, heads, batch)
     pairs = heads * batch
-    group = _launch_group(pairs, tiles, pair_bytes)
+    group = _launch_group(pairs, tiles, pair_bytes, l2_part)
     if max(tiles, _config.cdiv(pairs, group)) > _config.MAX_GRID_YZ:
         return (tiles, heads, batch)
     p["launch_group"] = group
     return (group, tiles, _config.cdiv(pairs, group))
 
 
-def _launch_group(pairs, tiles, pair_bytes=0):
+def _launch_group(pairs, tiles, pair_bytes=0, l2_part=1):
     """(Head, batch) pairs per launch group of a causal pass. With ``pair_bytes``, what all of
     a pair's tiles read (the Hopper passes: K and V in the forward; Q, dO and the fp32 dQ in
-    the backward), the most pairs, a power of two, whose bytes fit in L2, so that a group
-    reads them from memory once; measured on the H200 against LAUNCH_GROUP_WAVES (which
-    groups up to 66 pairs at 2K: 66 MB of K and V at d = 128), +0.7 to +10.6% in the causal
-    forward and -0.2 to +7.0% in the backward, most at 2K (benchmarks/NOTES.md,
-    twenty-seventh session). Else enough tiles to fill every SM LAUNCH_GROUP_WAVES times
-    (fewer pairs per group keep more of a head's data in L2 while its tiles run, more spread
-    the long tiles better)."""
+    the backward), the most pairs, a power of two, whose bytes fit in the L2 (in 1 /
+    ``l2_part`` of it: ``sm90_fwd_l2_part``), so that a group reads them from memory once;
+    measured on the H200 against LAUNCH_GROUP_WAVES (which groups up to 66 pairs at 2K: 66 MB
+    of K and V at d = 128), +0.7 to +10.6% in the causal forward and -0.2 to +7.0% in the
+    backward, most at 2K (benchmarks/NOTES.md, twenty-seventh session). Else enough tiles to
+    fill every SM LAUNCH_GROUP_WAVES times (fewer pairs per group keep more of a head's data
+    in L2 while its tiles run, more spread the long tiles better)."""
     if pair_bytes:
-        fit = max(1, _device_attribute("L2CacheSize") // pair_bytes)
+        fit = max(1, _device_attribute("L2CacheSize") // (l2_part * pair_bytes))
         return min(pairs, 1 << (fit.bit_length() - 1))
     return min(pairs, _config.cdiv(LAUNCH_GROUP_WAVES * _sm_count(), tiles))
 
@@ -958,14 +958,13 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
     return tiles
 
 
-def sm90_fwd_pair_bytes(hd, sk, k, v):
-    """The bytes by which the Hopper forward's causal launch groups are sized (``_tile_grid``):
-    what all tiles of a (head, batch) pair read, ``sk`` (the grid's seqlen_k) rows of K and V;
-    above head dim 128, where the kernel takes a block per tile rather than being
-    persistent, twice that, so that a group fills half the L2: measured on the H200 0.2-2.0%
-    faster at d=256 causal 2K-16K than groups that fill it, and slower with a quarter
+def sm90_fwd_l2_part(hd):
+    """The share of the L2 (1 / this) that the Hopper forward's causal launch groups fill
+    (``_launch_group``): all of it where the kernel is persistent (head dim <= 128), half
+    above, where it takes a block per tile: measured on the H200 0.2-2.0% faster at d=256
+    causal 2K-16K than groups that fill it, slower with a quarter, and 1% slower at d=64
     (benchmarks/NOTES.md, thirtieth session)."""
-    return sk * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize) * (2 if hd > 128 else 1)
+    return 2 if hd > 128 else 1
 
 
 def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
@@ -978,7 +977,9 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=True, q=False)
     _check_lists(p, "kv_blocks", rows, keys)
     tp = np.zeros((), FWD_SM90_PARAMS)
-    tp["grid"] = _tile_grid(p, _config.cdiv(sq, rows), h, b, spec.causal, sm90_fwd_pair_bytes(hd, sk, k, v))
+    # What a (head, batch) pair's tiles all read: K and V.
+    pair_bytes = sk * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
+    tp["grid"] = _tile_grid(p, _config.cdiv(sq, rows), h, b, spec.causal, pair_bytes, sm90_fwd_l2_part(hd))
     tp["base"] = p
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         tp[name] = _row_map(x, spec.dtype, keys if name in ("k", "v") else 64)

@@ -33,6 +33,21 @@ def _tflops(path):
             for r in rows if r.get("tflops")}
 
 
+def _tree_gains(path, tree, keys=("cell",)):
+    """An ab_trees JSON's gains, in percent, of ``tree`` over "base": the mean of our rows'
+    TFLOP/s over their reps, per value of the rows' ``keys``."""
+    means = {}
+    for r in json.loads((ROOT / path).read_text())["rows"]:
+        if r["impl"] == "cupyflash":
+            means.setdefault((*(r[k] for k in keys), r["tree"]), []).append(r["tflops"])
+    mean = {k: sum(v) / len(v) for k, v in means.items()}
+    return {k[:-1]: 100 * (m / mean[(*k[:-1], "base")] - 1) for k, m in mean.items() if k[-1] == tree}
+
+
+def _spread(values, fmt):
+    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+
 def test_readme_hopper_figures_are_the_cited_run():
     text, path, _, _ = _hopper_runs()
     t = _tflops(path)
@@ -222,11 +237,7 @@ def test_readme_80_query_step_gains_are_the_cited_runs():
     final, variants, user, causal = re.findall(r"`(benchmarks/results/[^`]+\.json)`", section)
 
     def gains(path):
-        rows = json.loads((ROOT / path).read_text())["rows"]
-        def mean(cell, tree):
-            xs = [r["tflops"] for r in rows if r["cell"] == cell and r["tree"] == tree and r["impl"] == "cupyflash"]
-            return sum(xs) / len(xs)
-        return {c: round(100 * (mean(c, "new") / mean(c, "base") - 1), 1) for c in {r["cell"] for r in rows}}
+        return {cell: round(g, 1) for (cell,), g in _tree_gains(path, "new").items()}
 
     found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", section.split("with softcap")[0])}
     assert found == {s // 1024: gains(final)[f"128:{s}:0:bwd"] for s in (2048, 4096, 8192, 16384)}
@@ -328,16 +339,14 @@ def test_readme_ring_memory_and_transfer_figures_are_the_runs():
     two = [r for r in runs if r["world"] == 2]
     (four,) = [r for r in runs if r["world"] == 4]
 
-    def spread(values, fmt):
-        return f"{min(values):{fmt}}-{max(values):{fmt}}"
     assert f"takes {round(two[0]['fwd_comm_ms'])} ms alone" in text
-    assert f"GPUs is {spread([r['fwd_ms'] - r['fwd_compute_ms'] for r in two], '.0f')} ms slower" in text
-    assert f"the backward {spread([r['bwd_ms'] - r['bwd_compute_ms'] for r in two], '.0f')} ms (its" in text
+    assert f"GPUs is {_spread([r['fwd_ms'] - r['fwd_compute_ms'] for r in two], '.0f')} ms slower" in text
+    assert f"the backward {_spread([r['bwd_ms'] - r['bwd_compute_ms'] for r in two], '.0f')} ms (its" in text
     assert f"transfers alone: {max(round(r['bwd_comm_ms']) for r in two)} ms)" in text
     def cost(r):    # percent of the ring's time
         return [100 * (r[f"{p}_ms"] - r[f"{p}_compute_ms"]) / r[f"{p}_ms"] for p in ("fwd", "bwd")]
-    assert (f"cost is {spread([c for r in two for c in cost(r)], '.1f')}% of the time at 2 GPUs and "
-            f"{spread(cost(four), '.1f')}% at 4") in text
+    assert (f"cost is {_spread([c for r in two for c in cost(r)], '.1f')}% of the time at 2 GPUs and "
+            f"{_spread(cost(four), '.1f')}% at 4") in text
 
 
 def test_readme_launch_group_gains_are_the_cited_runs():
@@ -350,16 +359,9 @@ def test_readme_launch_group_gains_are_the_cited_runs():
     fwd_path, bwd_rest = re.findall(r"`(benchmarks/results/[^`]+\.json)`, `\.\.\.(_[^`]+\.json)`", para)[0]
     bwd_path = fwd_path[:fwd_path.rindex("_fwd")] + bwd_rest
     # The trees of the landed rule: "l2" (forward) and "bl2" (backward), both against "base".
-    gains = {}
-    for path, tree in ((fwd_path, "l2"), (bwd_path, "bl2")):
-        means = {}
-        for r in json.loads((ROOT / path).read_text())["rows"]:
-            means.setdefault((r["cell"], r["pass"], r["tree"]), []).append(r["tflops"])
-        for (cell, pass_, name), v in means.items():
-            if name == tree:
-                base = means[(cell, pass_, "base")]
-                d, s = (int(x) for x in cell.split(":")[:2])
-                gains[(pass_, d, s)] = 100 * ((sum(v) / len(v)) / (sum(base) / len(base)) - 1)
+    gains = {(pass_, *(int(x) for x in cell.split(":")[:2])): g
+             for path, tree in ((fwd_path, "l2"), (bwd_path, "bl2"))
+             for (cell, pass_), g in _tree_gains(path, tree, ("cell", "pass")).items()}
     fwd128, fwd256, bwd128 = (float(x) for x in re.findall(r"\+([\d.]+)%", para))
     assert (round(gains[("fwd", 128, 2048)], 1), round(gains[("fwd", 256, 2048)], 1),
             round(gains[("bwd", 128, 2048)], 1)) == (fwd128, fwd256, bwd128)
@@ -378,13 +380,8 @@ def test_readme_half_l2_group_gains_are_the_cited_run():
     sentence = text[start:text.index("Everything else (dropout", start)]
     lo, hi = (float(x) for x in re.search(r"([\d.]+)-([\d.]+)% faster at d=256 causal", sentence).groups())
     (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
-    means = {}
-    for r in json.loads((ROOT / path).read_text())["rows"]:
-        if r["impl"] == "cupyflash":
-            means.setdefault((r["call"], r["dtype"], r["cell"], r["tree"]), []).append(r["tflops"])
-    gains = [100 * (sum(v) / len(v) / (sum(b) / len(b)) - 1)
-             for (call, dtype, cell, tree), v in means.items() if tree == "g32" and cell.startswith("256:")
-             for b in [means[(call, dtype, cell, "base")]]]
+    gains = [g for (call, dtype, cell), g in _tree_gains(path, "g32", ("call", "dtype", "cell")).items()
+             if cell.startswith("256:")]
     assert len(gains) == 10
     assert (round(min(gains), 1), round(max(gains), 1)) == (lo, hi)
 
@@ -402,19 +399,15 @@ def test_readme_user_mod_speed_is_the_cited_run():
     def ours(rule, causal, pass_):
         return ms[("cupyflash", rule, causal, pass_)]
 
-    def spread(xs, fmt=".2f"):
-        lo, hi = format(min(xs), fmt), format(max(xs), fmt)
-        return lo if lo == hi else f"{lo}-{hi}"
-
     mask = [ours("user_causal", False, p) / ours("plain", True, p) for p in ("fwd", "bwd")]
     assert (f"A mask_mod spelling causal takes {mask[0]:.2f}x the forward time of `causal=True` "
             f"and {mask[1]:.2f}x its backward") in bullet
     alibi = {p: [ours("user_alibi", c, p) / ours("alibi", c, p) for c in (False, True)] for p in ("fwd", "bwd")}
-    assert (f"a score_mod spelling ALiBi takes {spread(alibi['fwd'])}x the built-in's forward time and "
-            f"{spread(alibi['bwd'])}x its backward") in bullet
+    assert (f"a score_mod spelling ALiBi takes {_spread(alibi['fwd'], '.2f')}x the built-in's forward time and "
+            f"{_spread(alibi['bwd'], '.2f')}x its backward") in bullet
     t5 = [ours("relative_bias", c, p) for c in (False, True) for p in ("fwd", "bwd")]
     assert (f"a T5 relative bias takes {t5[0]:.2f} / {t5[1]:.2f} ms forward / backward "
             f"(causal {t5[2]:.2f} / {t5[3]:.2f})") in bullet
     table = [ours("relative_bias_dtable", c, "bwd") for c in (False, True)]
     times = [ours("relative_bias_dtable", c, "bwd") / ours("relative_bias", c, "bwd") for c in (False, True)]
-    assert (f"took {table[0]:.0f} ms ({table[1]:.0f} causal), {spread(times, '.0f')}x the one without") in bullet
+    assert (f"took {table[0]:.0f} ms ({table[1]:.0f} causal), {_spread(times, '.0f')}x the one without") in bullet

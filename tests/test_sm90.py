@@ -488,9 +488,8 @@ def test_causal_forward_groups_fill_half_the_l2_above_head_dim_128(d, group, mon
     tile: measured faster there)."""
     attrs = {"L2CacheSize": 50 << 20, "MultiProcessorCount": 132}
     monkeypatch.setattr(_launch, "_device_attribute", attrs.__getitem__)
-    k = v = np.empty((1, 1, 1, d), np.float16)
-    pair_bytes = _launch.sm90_fwd_pair_bytes(_launch.sm90_headdim(d), 2048, k, v)
-    assert _launch._launch_group(256, 16, pair_bytes) == group
+    pair_bytes = 2048 * 2 * d * 2
+    assert _launch._launch_group(256, 16, pair_bytes, _launch.sm90_fwd_l2_part(_launch.sm90_headdim(d))) == group
 
 
 @pytest.mark.gpu
