@@ -59,7 +59,7 @@ def test_forward_backward_match_reference(case, request):
 def test_causal_launch_groups_with_a_short_last_group(dtype, deterministic, request, monkeypatch):
     """Causal passes start their (head, batch) pairs in groups (_launch._tile_grid); in groups
     of 4 over 2 x 3 pairs the last group is short, and its spare blocks must write nothing."""
-    monkeypatch.setattr(_launch, "_launch_group", lambda pairs, tiles, pair_bytes=0: min(pairs, 4))
+    monkeypatch.setattr(_launch, "_launch_group", lambda pairs, tiles, pair_bytes=0, l2_part=1: min(pairs, 4))
     case = Case(dtype, 300, 300, 64, True, 2, 3, 3)
     q, k, v, dout = make_inputs(case, seed_of(request))
     run_and_check(case, q, k, v, dout, deterministic=deterministic)
