@@ -72,11 +72,12 @@ struct KeyBlocks {
     }
 };
 
-// The key blocks of query tile `m_tile` (rows row0 .. row0+Br-1) of head h.
+// The key blocks of query tile `m_tile` (rows row0 .. row0+Br-1, row0 = m_tile Br - lead) of
+// head h. A dense walk may take its tiles `lead` rows early, so that they end at the last row.
 template <typename V, typename Params>
 __device__ __forceinline__ KeyBlocks key_blocks(const BlockList& bl, const Mask<V, Params>& mask, int h,
-                                                int m_tile, int Br, int Bc) {
-    const int row0 = m_tile * Br;
+                                                int m_tile, int Br, int Bc, int lead = 0) {
+    const int row0 = m_tile * Br - lead;
     const int row_last = min(row0 + Br, mask.seqlen_q()) - 1;
     KeyBlocks kb;
     kb.free_begin = mask.key_begin(row_last);

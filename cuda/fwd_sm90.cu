@@ -86,6 +86,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // 128 keys) only a sequence's tail would skip, and that measured 0.6-0.9% slower
     // (benchmarks/NOTES.md); ALiBi's pivoted order and block lists visit every block.
     constexpr bool OwnWalk = V::Band && !V::Alibi && (Groups == 3 || Bc != 128);
+    // Causal 192-row tiles end at the last row: the tiles start `lead` rows before row 0 (a
+    // multiple of 64, under 192), so that the short tile is the first, which sees one key
+    // block, not the last, whose idle consumer kept the turns of all its blocks. Where 192
+    // does not divide seqlen_q that is one key block fewer every tile or every second tile
+    // (5% of the turns at 2K and 4K; benchmarks/NOTES.md). Not with user mods (they would see
+    // rows before 0) nor packed rows (a lead per sequence).
+    constexpr bool EndAligned = OwnWalk && Groups == 3 && V::Causal && !V::Local && !V::Varlen && !V::UserScore &&
+                                !V::UserMask;
     static_assert(HeadDim % 64 == 0, "rows of whole 128-byte swizzle atoms");
     // Dropout runs the generic forward (_launch.kernel_family): here its generator took the
     // registers of a second block per SM, and the kernel was slower than the generic one.
@@ -109,6 +117,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // Tile w of the grid; causal: the last query blocks see the most keys.
     const int gx = tp.grid[0], gxy = gx * tp.grid[1], n_work = gxy * tp.grid[2];
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;
+    const int lead = EndAligned ? (n_tiles * Br - p.seqlen_q) / 64 * 64 : 0;
     auto tile = [&](int w) {
         return block_coord_at<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; }, w % gx, w % gxy / gx,
                                       w / gxy);
@@ -165,13 +174,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
             const int h = at.head, hk = h / p.group;
             mask.at_head(at.batch, h);
-            const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
+            const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc, lead);
             const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), at.tile * Br);
             mbar_expect_bytes(&q_full[qb], QTile * 2);
-            for (int part = 0; part < Groups; ++part)
+            for (int part = 0; part < Groups; ++part) {
+                // Rows before 0 take row 0's Q: every key is masked from them.
+                const int row = at.tile * Br - lead + 64 * part;
                 for (int c = 0; c < Halves; ++c)
                     tma_load_4d(sQ + qb * QTile + (part * Halves + c) * SubQ, tp.q, 64 * c, h,
-                                seq.q_map_row(at.tile * Br + 64 * part), seq.map_batch(), &q_full[qb]);
+                                seq.q_map_row(EndAligned ? max(row, 0) : row), seq.map_batch(), &q_full[qb]);
+            }
             w = next_tile();
 #pragma unroll 1
             for (int it = 0; it < kb.count; ++it, ++g) {
@@ -273,10 +285,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         }
         const BlockCoord at = tile(w);
         const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
-        const int h = at.head, row0 = at.tile * Br;
+        const int h = at.head, row0 = at.tile * Br - lead;
         mask.at_head(at.batch, h);
         mod.at_head(at.batch, h);
-        const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc);
+        const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc, lead);
         const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), row0);
         // The blocks this warpgroup's rows see, from the tile's first. Past them it keeps its
         // turns and releases the buffers, so that the ring and the producer go on as for the
@@ -402,11 +414,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         const int own_bar = 2 + Groups + wg;
         if (OwnStage && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
         named_bar_sync(own_bar, 128);
-        fwd_stage_swizzled<Elem, 64>(p, seq, h, row0 + 64 * wg, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
+        // Rows all before row 0 (EndAligned): nothing to store.
+        const bool before = EndAligned && row0 + 64 * wg < 0;
+        if (!before)
+            fwd_stage_swizzled<Elem, 64>(p, seq, h, row0 + 64 * wg, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
         fence_proxy_async();
         named_bar_sync(own_bar, 128);
         const int my_row0 = row0 + 64 * wg;
-        if (seq.q_rows_own(my_row0, 64)) {
+        if (before) {
+        } else if (seq.q_rows_own(my_row0, 64)) {
             if (store_thread) {
 #pragma unroll
                 for (int c = 0; c < Halves; ++c)

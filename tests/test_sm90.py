@@ -197,6 +197,12 @@ SM90_CASES = [
     (1, 700, 900, 4, 2, 64, dict(window_size=(100, 30))),      # three consumers at d = 64
     (3, 1, 65, 2, 2, 128, {}),
     (2, 300, 257, 4, 2, 40, dict(causal=True)),      # bucket 64: a 64-column kernel, zeros past 40
+    # Causal d = 64 (three consumers, 192-row tiles that end at the last row): tiles from 128
+    # rows before row 0, whose rows there see keys (seqlen_k > seqlen_q); from 64 rows
+    # before; from row 0.
+    (2, 1000, 1100, 4, 2, 64, dict(causal=True)),
+    (1, 2048, 2048, 2, 1, 64, dict(causal=True)),
+    (1, 576, 500, 2, 2, 64, dict(causal=True)),
     (1, 257, 300, 2, 2, 64, {}),
     (1, 200, 333, 3, 1, 96, dict(causal=True)),      # bucket 96 in the 128-column kernel
     (2, 129, 200, 2, 2, 160, {}),
