@@ -155,6 +155,8 @@ def _poison_cases():
     for dtype in DTYPES:
         cases.append(Case(dtype, 97, 255, 40, False, 2, 3, 3))
         cases.append(Case(dtype, 255, 97, 111, True, 2, 4, 2))
+        # d=64 causal: the forward's 192-row tiles start 128 rows before row 0.
+        cases.append(Case(dtype, 200, 230, 64, True, 2, 4, 2))
     return cases
 
 

@@ -186,6 +186,22 @@ def test_probe_computes_qk_and_pv_from_tma_tiles_on_the_gpu(dtype, tmp_path):
         np.testing.assert_allclose(got_o, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+def _end_aligned_cases():
+    """Causal d = 64 shapes drawn with a fixed seed for the three-consumer forward, whose
+    192-row tiles start `lead` rows before row 0: each lead (0, 64, 128) with seqlen_k below,
+    at and above seqlen_q, GQA and MQA."""
+    rng = np.random.default_rng(20261129)
+    cases = []
+    for lead in (0, 64, 128):
+        for side in (-1, 0, 1):
+            tiles = int(rng.integers(1, 12))
+            sq = tiles * 192 - lead - int(rng.integers(0, 64))   # (tiles * 192 - sq) // 64 * 64 == lead
+            sk = max(1, sq + side * int(rng.integers(1, 300)))
+            hk = int(rng.choice([1, 2, 4]))
+            cases.append((int(rng.integers(1, 3)), sq, sk, hk * int(rng.choice([1, 3])), hk, 64, dict(causal=True)))
+    return cases
+
+
 SM90_CASES = [
     # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, keywords
     (2, 256, 256, 4, 4, 128, {}),
@@ -216,7 +232,7 @@ SM90_CASES = [
     # phases running on across tiles.
     (3, 300, 257, 60, 20, 128, dict(causal=True)),
     (2, 257, 130, 120, 40, 64, {}),
-]
+] + _end_aligned_cases()
 
 
 @pytest.mark.gpu
