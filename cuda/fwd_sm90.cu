@@ -175,7 +175,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             const int h = at.head, hk = h / p.group;
             mask.at_head(at.batch, h);
             const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc, lead);
-            const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), at.tile * Br);
+            const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), at.tile * Br - lead);
             mbar_expect_bytes(&q_full[qb], QTile * 2);
             for (int part = 0; part < Groups; ++part) {
                 // Rows before 0 take row 0's Q: every key is masked from them.
@@ -414,15 +414,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         const int own_bar = 2 + Groups + wg;
         if (OwnStage && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
         named_bar_sync(own_bar, 128);
-        // Rows all before row 0 (EndAligned): nothing to store.
-        const bool before = EndAligned && row0 + 64 * wg < 0;
-        if (!before)
+        // Rows all before row 0 (EndAligned) store nothing.
+        const bool stored = !EndAligned || row0 + 64 * wg >= 0;
+        if (stored)
             fwd_stage_swizzled<Elem, 64>(p, seq, h, row0 + 64 * wg, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
         fence_proxy_async();
         named_bar_sync(own_bar, 128);
         const int my_row0 = row0 + 64 * wg;
-        if (before) {
-        } else if (seq.q_rows_own(my_row0, 64)) {
+        if (stored && seq.q_rows_own(my_row0, 64)) {
             if (store_thread) {
 #pragma unroll
                 for (int c = 0; c < Halves; ++c)
@@ -430,7 +429,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 bulk_commit();
                 if (!OwnStage) bulk_wait_read<0>();
             }
-        } else {
+        } else if (stored) {
             copy_stage_rows<Halves, 128>(myO, seq.template q_row<u16>(p.o, h, my_row0), p.o.row_stride,
                                          seq.seqlen_q() - my_row0, p.headdim, threadIdx.x % 128);
         }
