@@ -118,6 +118,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     const int gx = tp.grid[0], gxy = gx * tp.grid[1], n_work = gxy * tp.grid[2];
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;
     const int lead = EndAligned ? (n_tiles * Br - p.seqlen_q) / 64 * 64 : 0;
+    auto first_row = [&](const BlockCoord& at) { return at.tile * Br - lead; };   // the tile's row0
     auto tile = [&](int w) {
         return block_coord_at<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; }, w % gx, w % gxy / gx,
                                       w / gxy);
@@ -175,11 +176,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             const int h = at.head, hk = h / p.group;
             mask.at_head(at.batch, h);
             const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc, lead);
-            const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), at.tile * Br - lead);
+            const int pivot = pivot_of(kb, seq.seqlen_q(), seq.seqlen_k(), first_row(at));
             mbar_expect_bytes(&q_full[qb], QTile * 2);
             for (int part = 0; part < Groups; ++part) {
                 // Rows before 0 take row 0's Q: every key is masked from them.
-                const int row = at.tile * Br - lead + 64 * part;
+                const int row = first_row(at) + 64 * part;
                 for (int c = 0; c < Halves; ++c)
                     tma_load_4d(sQ + qb * QTile + (part * Halves + c) * SubQ, tp.q, 64 * c, h,
                                 seq.q_map_row(EndAligned ? max(row, 0) : row), seq.map_batch(), &q_full[qb]);
@@ -285,7 +286,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         }
         const BlockCoord at = tile(w);
         const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
-        const int h = at.head, row0 = at.tile * Br - lead;
+        const int h = at.head, row0 = first_row(at);
         mask.at_head(at.batch, h);
         mod.at_head(at.batch, h);
         const KeyBlocks kb = key_blocks(p.kv_blocks, mask, h, at.tile, Br, Bc, lead);
@@ -415,12 +416,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         if (OwnStage && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
         named_bar_sync(own_bar, 128);
         // Rows all before row 0 (EndAligned) store nothing.
-        const bool stored = !EndAligned || row0 + 64 * wg >= 0;
+        const int my_row0 = row0 + 64 * wg;
+        const bool stored = !EndAligned || my_row0 >= 0;
         if (stored)
-            fwd_stage_swizzled<Elem, 64>(p, seq, h, row0 + 64 * wg, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
+            fwd_stage_swizzled<Elem, 64>(p, seq, h, my_row0, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
         fence_proxy_async();
         named_bar_sync(own_bar, 128);
-        const int my_row0 = row0 + 64 * wg;
         if (stored && seq.q_rows_own(my_row0, 64)) {
             if (store_thread) {
 #pragma unroll
