@@ -152,7 +152,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // --- Tiles of a (batch, seq, head, dim) tensor in shared memory: Rows x HeadDim 16-bit
-// elements, row stride HeadDim + SMEM_PAD, moved in 16-byte chunks by all threads of the block.
+// elements, row stride HeadDim + SMEM_PAD, moved in 16-byte chunks by the Threads threads of
+// the block, or (Threads = 32) by one warp's lanes.
+template <int Threads>
+__device__ __forceinline__ unsigned chunk_thread() { return Threads == 32 ? threadIdx.x % 32 : threadIdx.x; }
 
 // Calls f(r, col) for each chunk (row r, first column col) this thread moves. Where the
 // block's threads cover whole rows, the loop is unrolled with the thread's column fixed and
@@ -162,7 +165,7 @@ __device__ __forceinline__ void for_each_chunk(F&& f) {
     constexpr int CHUNKS = HeadDim / 8;
     if constexpr (Threads % CHUNKS == 0) {
         constexpr int STEP = Threads / CHUNKS;   // rows covered by one pass of the block
-        const int r0 = threadIdx.x / CHUNKS, col = threadIdx.x % CHUNKS * 8;
+        const int r0 = chunk_thread<Threads>() / CHUNKS, col = chunk_thread<Threads>() % CHUNKS * 8;
 #pragma unroll
         for (int i = 0; i < (Rows + STEP - 1) / STEP; ++i)
             if (Rows % STEP == 0 || r0 + i * STEP < Rows) f(r0 + i * STEP, col);
@@ -170,7 +173,7 @@ __device__ __forceinline__ void for_each_chunk(F&& f) {
         // Head dims whose chunk count does not divide the block (96, 160, 192, 224): a plain
         // loop, since unrolling it costs registers the big head dims do not have.
 #pragma unroll 1
-        for (int c = threadIdx.x; c < Rows * CHUNKS; c += Threads) f(c / CHUNKS, c % CHUNKS * 8);
+        for (int c = chunk_thread<Threads>(); c < Rows * CHUNKS; c += Threads) f(c / CHUNKS, c % CHUNKS * 8);
     }
 }
 
@@ -188,10 +191,13 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* gbase, index_t r
         if constexpr (Threads % CHUNKS == 0) {
             // The thread's column is fixed and its rows STEP apart: one pointer bump per chunk.
             constexpr int STEP = Threads / CHUNKS;
-            const int r0 = threadIdx.x / CHUNKS, col = threadIdx.x % CHUNKS * 8;
+            // A warp's lanes at head dim 256 (one chunk a row): by four rows, since the whole
+            // tile's row addresses, worked out ahead, spilled the d=256 decode kernels.
+            constexpr int UNROLL = Threads == 32 && STEP == 1 ? 4 : (Rows + STEP - 1) / STEP;
+            const int r0 = chunk_thread<Threads>() / CHUNKS, col = chunk_thread<Threads>() % CHUNKS * 8;
             const bool col_in = col < d;
             const u16* src = gbase + r0 * row_stride + col;
-#pragma unroll
+#pragma unroll UNROLL
             for (int i = 0; i < (Rows + STEP - 1) / STEP; ++i) {
                 const int r = r0 + i * STEP;
                 if (Rows % STEP == 0 || r < Rows)
@@ -208,7 +214,7 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* gbase, index_t r
         // Unaligned or odd-strided tensors: element loads in a plain loop (a rare path, kept
         // small so that it does not cost the fast path registers).
 #pragma unroll 1
-        for (int c = threadIdx.x; c < Rows * CHUNKS; c += Threads) {
+        for (int c = chunk_thread<Threads>(); c < Rows * CHUNKS; c += Threads) {
             const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
             const u16* src = gbase + r * row_stride + col;
             u16 v[8];

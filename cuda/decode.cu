@@ -98,33 +98,26 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
     const int mine = slices > warp ? (slices - warp + DECODE_WARPS - 1) / DECODE_WARPS : 0;   // every fourth
     const int sk = seq.seqlen_k();
 
-    // Slice t of the warp (the block's slice warp + 4 t) into stage t % Stages. Lane r < 16
-    // finds key row r's K and V rows (null past the entry's keys, whose pages may not exist:
-    // zeros are copied); then the 32 lanes copy 16-byte chunks in row order, each instruction
-    // 512 consecutive bytes of whole rows. A paged cache's page of the lane's key is looked up
-    // one fetch ahead (`page`): its load then runs during a slice's math rather than in front
-    // of the copies (page 16 ran 5-6% below a contiguous cache looked up in place, 3% with this).
-    auto key_of = [&](int t) { return first + (warp + DECODE_WARPS * t) * DECODE_SLICE + lane % DECODE_SLICE; };
-    auto page_of = [&](int t) { return t < mine && key_of(t) < sk ? seq.k_page(key_of(t)) : 0; };
+    // Slice t of the warp (the block's slice warp + 4 t) into stage t % Stages: its 16 K rows,
+    // then its 16 V rows (zeros past the entry's keys), by the warp's lanes as load_tile moves
+    // a block's tiles. A slice starts on a multiple of 16 keys and a page holds a multiple of
+    // 16 rows, so the slice's rows lie in one page a row stride apart: one page and one row
+    // address a slice, not one a row (the per-row addresses, shuffled between the lanes, were
+    // 60% of the loop's instructions: benchmarks/NOTES.md). A paged cache's page is looked up
+    // one fetch ahead (`page`), so that its load runs during a slice's math rather than in
+    // front of the copies.
+    auto key0_of = [&](int t) { return first + (warp + DECODE_WARPS * t) * DECODE_SLICE; };
+    auto page_of = [&](int t) { return t < mine ? seq.k_page(key0_of(t)) : 0; };
     int page = page_of(0);
     auto fetch = [&](int t) {
         if (t < mine) {
-            const int key = key_of(t);
-            const bool in = key < sk;
-            const u16* k_mine = in ? seq.template k_row_at<const u16>(p.k, page, hk, key) : nullptr;
-            const u16* v_mine = in ? seq.template k_row_at<const u16>(p.v, page, hk, key) : nullptr;
-            page = page_of(t + 1);
+            const int key0 = key0_of(t);
             u16* stage = ring + (t % Stages) * 2 * DECODE_SLICE * LD;
-#pragma unroll
-            for (int i = lane; i < DECODE_SLICE * DT; i += 32) {
-                const int r = i / DT, col = i % DT * 8;
-                const u16* k = reinterpret_cast<const u16*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(k_mine), r));
-                const u16* v = reinterpret_cast<const u16*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(v_mine), r));
-                const bool copy = k != nullptr && col < p.headdim;
-                cp_async_16(smem_addr(stage + r * LD + col), copy ? k + col : static_cast<const u16*>(p.k.ptr), copy ? 16 : 0);
-                cp_async_16(smem_addr(stage + (DECODE_SLICE + r) * LD + col), copy ? v + col : static_cast<const u16*>(p.v.ptr),
-                            copy ? 16 : 0);
-            }
+            load_tile<DECODE_SLICE, HeadDim, 32>(stage, seq.template k_row_at<const u16>(p.k, page, hk, key0),
+                                                 p.k.row_stride, sk - key0, p.headdim, true);
+            load_tile<DECODE_SLICE, HeadDim, 32>(stage + DECODE_SLICE * LD, seq.template k_row_at<const u16>(p.v, page, hk, key0),
+                                                 p.v.row_stride, sk - key0, p.headdim, true);
+            page = page_of(t + 1);
         }
         cp_async_commit();
     };
