@@ -132,6 +132,17 @@ template <> __device__ __forceinline__ void mma_16816<bf16>(float (&c)[4], const
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// The same under an L2 eviction policy (createpolicy's).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes, unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;"
+                 :: "r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
+}
+// Every line evicted first: for a stream read once that outsizes the L2 (benchmarks/NOTES.md).
+__device__ __forceinline__ unsigned long long l2_evict_first() {
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
 // 4 bytes (lse and D rows), through L1; src_bytes 0 writes a zero.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
@@ -157,6 +168,15 @@ __device__ __forceinline__ float quad_sum(float x) {
 template <int Threads>
 __device__ __forceinline__ unsigned chunk_thread() { return Threads == 32 ? threadIdx.x % 32 : threadIdx.x; }
 
+// How a tile's chunks are copied: cp.async, plain or under an L2 eviction policy.
+struct PlainCopy {
+    __device__ __forceinline__ void operator()(u32 dst, const void* src, int bytes) const { cp_async_16(dst, src, bytes); }
+};
+struct PolicyCopy {
+    unsigned long long policy;
+    __device__ __forceinline__ void operator()(u32 dst, const void* src, int bytes) const { cp_async_16(dst, src, bytes, policy); }
+};
+
 // Calls f(r, col) for each chunk (row r, first column col) this thread moves. Where the
 // block's threads cover whole rows, the loop is unrolled with the thread's column fixed and
 // its rows a constant apart: a few instructions per chunk, not a division and a loop.
@@ -179,9 +199,9 @@ __device__ __forceinline__ void for_each_chunk(F&& f) {
 
 // Row r of the tile is tensor row row0 + r (gbase points at it); rows at or past `rows_valid`
 // and columns at or past `d` are zero-filled, so the math on them is harmless.
-template <int Rows, int HeadDim, int Threads>
+template <int Rows, int HeadDim, int Threads, typename Copy = PlainCopy>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* gbase, index_t row_stride,
-                                          int rows_valid, int d, bool vec_ok) {
+                                          int rows_valid, int d, bool vec_ok, Copy copy = {}) {
     constexpr int LD = HeadDim + SMEM_PAD;
     constexpr int CHUNKS = HeadDim / 8;
     if (vec_ok) {
@@ -201,13 +221,13 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* gbase, index_t r
             for (int i = 0; i < (Rows + STEP - 1) / STEP; ++i) {
                 const int r = r0 + i * STEP;
                 if (Rows % STEP == 0 || r < Rows)
-                    cp_async_16(stile + (r * LD + col) * 2, src, col_in && r < rows_valid ? 16 : 0);
+                    copy(stile + (r * LD + col) * 2, src, col_in && r < rows_valid ? 16 : 0);
                 src += STEP * row_stride;
             }
         } else {
             for_each_chunk<Rows, HeadDim, Threads>([&](int r, int col) {
                 const bool in = r < rows_valid && col < d;
-                cp_async_16(stile + (r * LD + col) * 2, in ? gbase + r * row_stride + col : gbase, in ? 16 : 0);
+                copy(stile + (r * LD + col) * 2, in ? gbase + r * row_stride + col : gbase, in ? 16 : 0);
             });
         }
     } else {

@@ -1168,10 +1168,10 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
 # cuda/decode.cu: four warps, 16-key slices, splits of whole 64-key steps, at most 128 of them;
 # the merge kernel's threads: 8 groups of a quarter of the head dim.
 DECODE_THREADS, DECODE_KEYS, DECODE_MAX_SPLITS, DECODE_MERGE_GROUPS = 128, 64, 128, 8
-DECODE_PARAMS = np.dtype({"names": ["base", "o_part", "lse_part", "splits", "split_keys", "row_chunks"],
-                          "formats": [FWD_PARAMS, np.uint64, np.uint64, np.int32, np.int32, np.int32],
-                          "offsets": [0] + [_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + o for o in (0, 8, 16, 20, 24)],
-                          "itemsize": _config.cdiv(_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + 28, 8) * 8})
+DECODE_PARAMS = np.dtype({"names": ["base", "o_part", "lse_part", "splits", "split_keys", "row_chunks", "stream_keys"],
+                          "formats": [FWD_PARAMS, np.uint64, np.uint64, np.int32, np.int32, np.int32, np.int32],
+                          "offsets": [0] + [_config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + o for o in (0, 8, 16, 20, 24, 28)],
+                          "itemsize": _config.cdiv(FWD_PARAMS.itemsize, 8) * 8 + 32})
 
 
 def decode_smem(hd):
@@ -1246,6 +1246,8 @@ def decode(q, k_cache, v_cache, out, lse, scale, spec, alibi_slopes, layout, num
     split_keys = _config.cdiv(_config.cdiv(max(layout.max_keys, 1), splits), DECODE_KEYS) * DECODE_KEYS
     splits = max(1, _config.cdiv(layout.max_keys, split_keys))
     p["splits"], p["split_keys"], p["row_chunks"] = splits, split_keys, chunks
+    # K and V of every entry at a length from which they outsize the L2 (decode.cu's stream_keys).
+    p["stream_keys"] = min(_config.cdiv(_device_attribute("L2CacheSize"), 2 * b * hk * hd * k_cache.itemsize), 2**31 - 1)
     if splits > 1:
         o_part = empty((splits, b, h, sq, hd), cupy.float32)
         lse_part = empty((splits, b, h, sq), cupy.float32)
