@@ -219,9 +219,9 @@ def test_readme_decode_table_is_the_cited_run():
                            (8, r"([\d.]+) / ([\d.]+) /\s+([\d.]+) at batch 8")):
         assert tuple(float(x) for x in re.search(figures, cudnn).groups()) == tuple(
             of_copy("sdpa_cudnn_attention", "contiguous", batch, c) for c in contexts)
-    assert float(re.search(r"([\d.]+) at batch 64", cudnn).group(1)) == of_copy(
-        "sdpa_cudnn_attention", "contiguous", 64, contexts[0])
-    assert {of_copy("sdpa_cudnn_attention", "contiguous", 64, c) for c in contexts} == {1.04}
+    at_64 = [of_copy("sdpa_cudnn_attention", "contiguous", 64, c) for c in contexts]
+    lo, hi = (float(x) for x in re.search(r"([\d.]+)-([\d.]+) at batch 64", cudnn).groups())
+    assert (min(at_64), max(at_64)) == (lo, hi)
     rotated = [r for r in rows if r["impl"] == "cupyflash" and r["batch"] == 1 and r["context"] == 8192]
     assert all(r["cache_copies"] > 1 for r in rotated)
     gather = [r["of_copy"] for r in rows if r["impl"] == "gather_sdpa" and r["context"] >= 8192]
