@@ -282,9 +282,20 @@ __global__ void __launch_bounds__(DECODE_MERGE_GROUPS * HeadDim / 4) flash_decod
     __shared__ __align__(16) float part[DECODE_MERGE_GROUPS][HeadDim];
     const FwdParams& p = dp.base;
     const int q = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+    const int group = t / Lanes, col = t % Lanes * 4;
     wait_for_primary();   // the split pass's parts
     const index_t row = (static_cast<index_t>(b) * p.nheads + h) * p.seqlen_q + q;
     const index_t stride = static_cast<index_t>(p.batch) * p.nheads * p.seqlen_q;
+    auto part_of = [&](int s) { return *reinterpret_cast<const float4*>(dp.o_part + (s * stride + row) * HeadDim + col); };
+    // The group's first EARLY splits' outputs are loaded with the lse rather than after the
+    // weights: one wait on memory before the sums, not two.
+    constexpr int EARLY = 4;
+    float4 early[EARLY];
+#pragma unroll
+    for (int k = 0; k < EARLY; ++k) {
+        const int s = group + k * DECODE_MERGE_GROUPS;
+        early[k] = col < p.headdim && s < dp.splits ? part_of(s) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     float top = neg_inf();
     for (int s = t; s < dp.splits; s += Threads) {
         weight[s] = dp.lse_part[s * stride + row];
@@ -299,15 +310,17 @@ __global__ void __launch_bounds__(DECODE_MERGE_GROUPS * HeadDim / 4) flash_decod
     }
     const float total = block_reduce<Threads>(sum, [](float x, float y) { return x + y; }, scratch);
 
-    const int group = t / Lanes, col = t % Lanes * 4;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto add = [&](int s, float4 x) {
+        const float w = weight[s];
+        o = make_float4(fmaf(w, x.x, o.x), fmaf(w, x.y, o.y), fmaf(w, x.z, o.z), fmaf(w, x.w, o.w));
+    };
     if (col < p.headdim) {
+#pragma unroll
+        for (int k = 0; k < EARLY; ++k)
+            if (group + k * DECODE_MERGE_GROUPS < dp.splits) add(group + k * DECODE_MERGE_GROUPS, early[k]);
 #pragma unroll 4
-        for (int s = group; s < dp.splits; s += DECODE_MERGE_GROUPS) {
-            const float w = weight[s];
-            const float4 x = *reinterpret_cast<const float4*>(dp.o_part + (s * stride + row) * HeadDim + col);
-            o = make_float4(fmaf(w, x.x, o.x), fmaf(w, x.y, o.y), fmaf(w, x.z, o.z), fmaf(w, x.w, o.w));
-        }
+        for (int s = group + EARLY * DECODE_MERGE_GROUPS; s < dp.splits; s += DECODE_MERGE_GROUPS) add(s, part_of(s));
     }
     *reinterpret_cast<float4*>(&part[group][col]) = o;
     __syncthreads();
