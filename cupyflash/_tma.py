@@ -15,7 +15,9 @@ import numpy as np
 # CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion (cuda.h).
 _DATA_TYPES = {"float16": 6, "float32": 7, "bfloat16": 9}
 SWIZZLE_128B = 3
-_L2_PROMOTION_128B = 2
+# L2 promotion of 256 bytes: 1.1% faster than 128 on the d=128 2K forward, the same elsewhere
+# (H200, benchmarks/NOTES.md).
+_L2_PROMOTION_256B = 3
 DESC_BYTES = 128
 # One copy's box: at most 256 elements per dimension; with the 128-byte swizzle, rows of at
 # most 128 bytes.
@@ -68,7 +70,7 @@ def _tiled(ptr, dtype, dims, strides, box, swizzle):
     as_u32 = (ctypes.c_uint32 * rank)
     err = _encode_tiled()(at, _DATA_TYPES[dtype], rank, ptr, as_u64(*dims),
                           (ctypes.c_uint64 * max(rank - 1, 1))(*strides), as_u32(*box),
-                          as_u32(*([1] * rank)), 0, swizzle, _L2_PROMOTION_128B, 0)
+                          as_u32(*([1] * rank)), 0, swizzle, _L2_PROMOTION_256B, 0)
     if err:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} (dims {dims}, "
                            f"strides {strides}, box {box})")
