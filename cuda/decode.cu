@@ -28,7 +28,7 @@ struct DecodeParams {
     int split_keys;     // keys per split, a multiple of DECODE_KEYS
     int row_chunks;     // 16-row chunks of group * seqlen_q packed rows: grid.y = nheads_k * row_chunks
     int stream_keys;    // an entry's key count from which the call's K and V (as if every entry
-                        // had as many) outsize the L2: its copies then evict first (l2_policy)
+                        // had as many) outsize the L2: its copies then evict first (l2_evict_first)
 };
 
 constexpr int DECODE_WARPS = 4, DECODE_SLICE = 16, DECODE_KEYS = DECODE_WARPS * DECODE_SLICE;

@@ -34,15 +34,16 @@ def _tflops(path):
             for r in rows if r.get("tflops")}
 
 
-def _tree_gains(path, tree, keys=("cell",)):
-    """An ab_trees JSON's gains, in percent, of ``tree`` over "base": the mean of our rows'
-    TFLOP/s over their reps, per value of the rows' ``keys``."""
+def _tree_gains(path, tree, keys=("cell",), base="base"):
+    """An ab_trees JSON's gains, in percent, of ``tree`` over ``base``: the mean of our rows'
+    speed (TFLOP/s, or calls per ms for decode rows) over their reps, per value of the rows'
+    ``keys``."""
     means = {}
     for r in json.loads((ROOT / path).read_text())["rows"]:
         if r["impl"] == "cupyflash":
-            means.setdefault((*(r[k] for k in keys), r["tree"]), []).append(r["tflops"])
+            means.setdefault((*(r[k] for k in keys), r["tree"]), []).append(r["tflops"] if "tflops" in r else 1 / r["ms"])
     mean = {k: sum(v) / len(v) for k, v in means.items()}
-    return {k[:-1]: 100 * (m / mean[(*k[:-1], "base")] - 1) for k, m in mean.items() if k[-1] == tree}
+    return {k[:-1]: 100 * (m / mean[(*k[:-1], base)] - 1) for k, m in mean.items() if k[-1] == tree}
 
 
 def _spread(values, fmt):
@@ -200,10 +201,14 @@ def test_readme_decode_table_is_the_cited_run():
     text = (ROOT / "README.md").read_text()
     start = text.index("**Decoding**: `python benchmarks/bench_decode.py")
     para = text[start:text.index("A single short", start)]
-    path, _other = re.findall(r"`(benchmarks/results/[^`]+\.json)`", para)
-    rows = [r for r in json.loads((ROOT / path).read_text())["rows"] if "of_copy" in r]
+    path, other_path = re.findall(r"`(benchmarks/results/[^`]+_decode_[^`]+\.json)`", para)[:2]
 
-    def of_copy(impl, layout, batch, context):
+    def rows_of(path):
+        return [r for r in json.loads((ROOT / path).read_text())["rows"] if "of_copy" in r]
+
+    rows, other_rows = rows_of(path), rows_of(other_path)
+
+    def of_copy(impl, layout, batch, context, rows=rows):
         (r,) = [r for r in rows if (r["impl"], r["layout"], r["batch"], r["context"]) == (impl, layout, batch, context)]
         return round(r["of_copy"], 2)
 
@@ -222,16 +227,27 @@ def test_readme_decode_table_is_the_cited_run():
     assert float(re.search(r"([\d.]+) at batch 64", cudnn).group(1)) == of_copy(
         "sdpa_cudnn_attention", "contiguous", 64, contexts[0])
     assert {of_copy("sdpa_cudnn_attention", "contiguous", 64, c) for c in contexts} == {1.04}
-    # The other machine's run of the same day: batch 8 at 8K, ours and cuDNN's.
+    # The other machine's run of the same day, of the commit it names: batch 8 at 8K.
     other = para[para.index("Machines differ"):]
-    (other_path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", other)
-    other_rows = [r for r in json.loads((ROOT / other_path).read_text())["rows"] if "of_copy" in r]
+    commit = re.search(r"with (\w+)'s kernels", other).group(1)
+    assert json.loads((ROOT / other_path).read_text())["git_commit"] == commit
     figures = re.search(r"batch 8 at\s+8K read\s+([\d.]+) / ([\d.]+) / ([\d.]+) and cuDNN (\d\.\d+)", other).groups()
-    found = [r["of_copy"] for layout in ("contiguous", "page16", "page256") for r in other_rows
-             if (r["impl"], r["layout"], r["batch"], r["context"]) == ("cupyflash", layout, 8, 8192)]
-    found += [r["of_copy"] for r in other_rows
-              if (r["impl"], r["layout"], r["batch"], r["context"]) == ("sdpa_cudnn_attention", "contiguous", 8, 8192)]
-    assert tuple(float(x) for x in figures) == tuple(round(x, 2) for x in found)
+    assert tuple(float(x) for x in figures) == tuple(
+        [of_copy("cupyflash", layout, 8, 8192, other_rows) for layout in ("contiguous", "page16", "page256")]
+        + [of_copy("sdpa_cudnn_attention", "contiguous", 8, 8192, other_rows)])
+    # The L2 policy's A/Bs: evict-first from 64 MiB of K and V (the landed rule against the
+    # commit before it), and what evict-first cost below.
+    policy = para[para.index("evict-first L2 policy"):]
+    rule_path, small_path = re.findall(r"`(benchmarks/results/[^`]+\.json)`", policy)
+
+    def kv_bytes(cell):
+        _, batch, context, _ = cell.split(":")
+        return int(batch) * int(context) * 8 * 128 * 2 * 2
+
+    big = [g for (cell,), g in _tree_gains(rule_path, "x", base="fetch").items() if kv_bytes(cell) >= 64 << 20]
+    assert _spread(big, ".1f") == re.search(r"([\d.]+-[\d.]+)% faster from 64 MiB", policy).group(1)
+    small = [-g for (cell,), g in _tree_gains(small_path, "x_ef", base="x").items() if kv_bytes(cell) < 64 << 20]
+    assert f"{max(small):.1f}" == re.search(r"ran up to\s+([\d.]+)% slower", policy).group(1)
     rotated = [r for r in rows if r["impl"] == "cupyflash" and r["batch"] == 1 and r["context"] == 8192]
     assert all(r["cache_copies"] > 1 for r in rotated)
     gather = [r["of_copy"] for r in rows if r["impl"] == "gather_sdpa" and r["context"] >= 8192]
