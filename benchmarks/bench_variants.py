@@ -2,14 +2,15 @@
 
     python benchmarks/bench_variants.py --out DIR [--seqlen 8192] [--window-seqlen 32768]
                                         [--parts ours flex window] [--reps 20]
-                                        [--kernels generic|auto]
+                                        [--kernels generic|auto] [--rules RULE ...]
 
 - Score modifiers, at ``--seqlen`` (16K tokens, 16 heads), causal and not, forward and
   backward: ours plain, ``softcap=30``, ALiBi (ALiBi's geometric slopes), both, and
   ``dropout_p=0.1``. Targets: softcap and ALiBi <= 1.10 x ours plain of the same causal flag
   and pass, dropout <= 1.25 x.
 - FlexAttention (torch.compile(flex_attention)) on the same rules beside ours: plain, softcap,
-  ALiBi, a T5-style relative-position bias (a learned table of 2 * 128 - 1 buckets), a document
+  ALiBi, a T5-style relative-position bias (a table of 2 * 128 - 1 buckets, also learned:
+  relative_bias_dtable, its gradient part of the backward), a document
   mask (8 documents of random lengths, causal inside each) and prefix-LM (a 1024-token
   prefix seen by every query, then causal); ours runs the last three as user mods
   (``cupyflash.ScoreMod`` / ``MaskMod``, the block masks built once by ``from_mask_mod``; the
@@ -81,7 +82,7 @@ class FlexWith(_TorchRunner):
         self.flex = flex()
         super().__init__(case, sets32)
         torch, fa, n, h = self.torch, self.flex.fa, case.seqlen, case.nheads
-        self.rule, self.score_mod, self.block_mask = rule, None, None
+        self.rule, self.score_mod, self.block_mask, self.tables = rule, None, None, ()
         if case.causal or rule in ("document", "prefix_lm"):
             doc = torch.from_numpy(document_ids(n)).cuda()
 
@@ -102,8 +103,11 @@ class FlexWith(_TorchRunner):
             def score_mod(s, b, hh, q, kv):
                 return s - slopes[hh] * (q - kv).abs()
             self.score_mod = score_mod
-        elif rule == "relative_bias":
-            table = torch.randn(2 * 128 - 1, h, device="cuda", dtype=torch.float32)
+        elif rule.startswith("relative_bias"):
+            # relative_bias_dtable: the table learned, its gradient part of the backward.
+            table = torch.randn(2 * 128 - 1, h, device="cuda", dtype=torch.float32,
+                                requires_grad=rule.endswith("dtable"))
+            self.tables = (table,) if table.requires_grad else ()
 
             def score_mod(s, b, hh, q, kv):
                 return s + table[(q - kv).clamp(-127, 127) + 127, hh]
@@ -112,6 +116,10 @@ class FlexWith(_TorchRunner):
     def forward(self, s):
         return (self.flex.attend(s[0], s[1], s[2], score_mod=self.score_mod,
                                  block_mask=self.block_mask),)
+
+    def backward(self, s, saved):
+        return self.torch.autograd.grad(saved[0], (*s[:3], *self.tables), s[3],
+                                        retain_graph=True)
 
 
 def visible_fraction(seqlen, window):
@@ -139,6 +147,7 @@ def ours_keywords(rule, nheads, seqlen=None):
     return {}
 
 
+FLEX_RULES = ("plain", "softcap", "alibi", "relative_bias", "relative_bias_dtable")
 USER_RULES = ("user_alibi", "user_causal", "relative_bias", "relative_bias_dtable", "document",
               "prefix_lm")
 
@@ -197,25 +206,30 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parts", nargs="+", default=["ours", "flex", "window"],
                     help="ours: our modifiers; flex: FlexAttention's rules; window: the window")
+    ap.add_argument("--rules", nargs="+", help="time only these rules (default: every one)")
     ap.add_argument("--kernels", choices=("generic", "auto"), default="generic",
                     help="CUPYFLASH_KERNELS for our calls; generic (the default) times every row "
                          "on the same kernels: the Hopper forward covers plain attention only")
     args = ap.parse_args()
     os.environ["CUPYFLASH_KERNELS"] = args.kernels
     ours, use_flex = "ours" in args.parts, "flex" in args.parts
+
+    def chosen(rules):
+        return tuple(r for r in rules if args.rules is None or r in args.rules)
+
     passes = ("fwd", "bwd")
     rows = []
 
     for causal in (False, True):
         case = bench.Case.dense(args.seqlen, HEADDIM, causal)
         sets = bench.input_sets(case)
-        for rule in ("plain", "softcap", "alibi", "softcap_alibi", "dropout") if ours else ():
+        for rule in chosen(("plain", "softcap", "alibi", "softcap_alibi", "dropout")) if ours else ():
             timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads)), passes,
                   args.reps, rule, rows)
-        for rule in ("user_alibi", "relative_bias", "relative_bias_dtable") if ours else ():
+        for rule in chosen(("user_alibi", "relative_bias", "relative_bias_dtable")) if ours else ():
             timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads, case.seqlen)),
                   passes, args.reps, rule, rows)
-        for rule in ("plain", "softcap", "alibi", "relative_bias") if use_flex else ():
+        for rule in chosen(FLEX_RULES) if use_flex else ():
             timed_flex(case, sets, rule, passes, args.reps, rows)
         del sets
         bench.release_memory()
@@ -223,10 +237,10 @@ def main():
     # Mask rules (the call not causal: the rule says what is seen).
     case = bench.Case.dense(args.seqlen, HEADDIM, False)
     sets = bench.input_sets(case)
-    for rule in ("user_causal", "document", "prefix_lm") if ours else ():
+    for rule in chosen(("user_causal", "document", "prefix_lm")) if ours else ():
         timed(OursWith(case, sets, rule, **ours_keywords(rule, case.nheads, case.seqlen)),
               passes, args.reps, rule, rows)
-    for rule in ("document", "prefix_lm") if use_flex else ():
+    for rule in chosen(("document", "prefix_lm")) if use_flex else ():
         timed_flex(case, sets, rule, passes, args.reps, rows)
     del sets
     bench.release_memory()

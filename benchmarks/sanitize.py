@@ -184,6 +184,7 @@ CASES = (
     Case("bf16", 300, 257, 128, True, nheads=4, nheads_k=2, user=True),
     Case("fp16", 130, 200, 64, False, batch=2, user=True),
     Case("fp32", 130, 97, 64, True, user=True),
+    Case("bf16", 200, 129, 256, True, nheads=4, nheads_k=2, user=True),
     # Dropout (dense, causal with GQA, window, block mask, plain kernels).
     Case("bf16", 300, 257, 128, True, nheads=4, nheads_k=2, dropout=0.2),
     Case("fp16", 257, 300, 64, False, window=(40, 30), dropout=0.5),

@@ -413,7 +413,6 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                                         seq.seqlen_q() - m0, p.headdim, vec_ok);
         load_row_stats<Br, Threads, V::UserScore>(p, seq, stats_of(buf), h, m0);
     };
-    if constexpr (V::UserScore) stage_user_grads<false>(p.user, threadIdx.x, blockDim.x);   // before the loop's first barrier
     Step cur = settle(Step{0, 0, blocks_of(0)});
     if (cur.hq < p.group) prefetch(cur, 0);
     cp_async_commit();
@@ -595,9 +594,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         buf ^= Stages - 1;
     }
 
+    mod.flush_grads();
     // dK = scale * dS^T Q, staged in sK and dV in sV (neither read any more).
-    dkdv_epilogue<Elem, Bc, HeadDim, Threads, V::UserScore>(p, seq, hk, col0, key0, qw * DW, lane, vec_ok, dk, dv,
-                                                            sK, sV);
+    dkdv_epilogue<Elem, Bc, HeadDim, Threads>(p, seq, hk, col0, key0, qw * DW, lane, vec_ok, dk, dv, sK, sV);
 }
 
 // Deterministic dQ: one thread block per (query block, head, batch), warps own 16 query rows,

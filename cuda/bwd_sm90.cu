@@ -28,8 +28,8 @@
 // span of the buffer in column strips (bwd.cu's DQ_STRIPS).
 // flash_bwd_sm90_wide_kernel (head dim 256): see there.
 // A user score_mod (both kernels): P^T and dS^T element by element from the raw S^T once
-// dP^T is in (user_probs_t); its arrays' gradients are added up in shared memory after the
-// kernel's own where they fit (_launch._stage_grads), by the consumers, and flushed at the end.
+// dP^T is in (user_probs_t); its arrays' gradients are summed in each consumer thread's
+// registers while they add to one element (user.cuh's GradArray), flushed at the end.
 // The head dim is the bucket's rounded up (_launch.sm90_bwd_headdim): the copy engine fills
 // the columns past the real head dim with zeros, the stores clip them, and dQ is added for the
 // bucket's columns only.
@@ -378,7 +378,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
     if (threadIdx.x == 0) bar.init(Consumers);
-    if constexpr (V::UserScore) stage_user_grads<false>(p.user, threadIdx.x, blockDim.x);
     __syncthreads();
 
     if (threadIdx.x >= Consumers) {
@@ -587,8 +586,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // head dim are clipped.
     u16* stK = sK + wg * Halves * Sub;
     u16* stV = sV + wg * Halves * Sub;
+    mod.flush_grads();
     named_bar_sync(6, Consumers);
-    if constexpr (V::UserScore) stage_user_grads<true>(p.user, threadIdx.x, Consumers);
     const float scale = static_cast<float>(p.scale);
     stage_swizzled<Elem, 64>(stK, 16 * wq, lane, dk, [=](int, int) { return scale; });
     stage_swizzled<Elem, 64>(stV, 16 * wq, lane, dv, [](int, int) { return 1.f; });
@@ -623,9 +622,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 //   queries (wgmma m64n32);
 // - P^T and dS^T of those queries through the shared pieces into shared memory (one tile of
 //   64 keys x 64 queries each, both warpgroups' halves; two steps' tiles, alternating, so that
-//   a warpgroup may start the next step while the other is still adding this one's dQ; one
-//   with a user score_mod, whose gradients are staged in the shared memory that the second
-//   takes), then, with both halves there:
+//   a warpgroup may start the next step while the other is still adding this one's dQ), then,
+//   with both halves there:
 // - dV += P^T dO and dK += dS^T Q for the warpgroup's columns, both operands from shared
 //   memory; dQ (all 64 rows x the warpgroup's columns) = dS K, 64 columns at a time (m64n64:
 //   dS is read from shared memory once per chunk), the second chunk's product running while
@@ -634,7 +632,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 //   and dV products have read them; the step's Q and dO go back to the producer once the adds
 //   have read them.
 // Shared memory: K and V (64 keys x 256), two stages of Q and dO (64 rows x 256) and two
-// steps' P^T and dS^T tiles: 225 KB with the alignment (209 KB with one step's).
+// steps' P^T and dS^T tiles: 225 KB with the alignment.
 template <typename Elem, typename V>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
@@ -650,8 +648,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sV = sK + Chunks * Sub;
     u16* sQ = sV + Chunks * Sub;
     u16* sdO = sQ + Stages * Chunks * Sub;
-    constexpr int TileSteps = V::UserScore ? 1 : 2;
-    u16* sTiles = sdO + Stages * Chunks * Sub;   // step g's P^T and dS^T: tiles 2 t and 2 t + 1, t = g % TileSteps
+    u16* sTiles = sdO + Stages * Chunks * Sub;   // step g's P^T and dS^T: tiles 2 t and 2 t + 1, t = g % 2
 
     if constexpr (!V::Band) launch_dependents();
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
@@ -667,7 +664,6 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
     if (threadIdx.x == 0) bar.init(Consumers);
-    if constexpr (V::UserScore) stage_user_grads<false>(p.user, threadIdx.x, blockDim.x);
     __syncthreads();
 
     if (threadIdx.x >= Consumers) {
@@ -696,7 +692,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         mask.at_head(seq.b, h);
         u16* bQ = sQ + buf * Chunks * Sub;   // its sub-tiles 2 wg and 2 wg + 1 also stage dQ (below),
         u16* bdO = sdO + buf * Chunks * Sub;   // and so do dO's
-        u16* sPt = sTiles + 2 * (g % TileSteps) * Sub;
+        u16* sPt = sTiles + 2 * (g % 2) * Sub;
         u16* sdSt = sPt + Sub;
         const u32 sPt_s = smem_addr(sPt), sdSt_s = smem_addr(sdSt);
 
@@ -806,13 +802,11 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         if (order) dq_turn_end(order, lane);
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
         wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
-        if (TileSteps == 1) named_bar_sync(6, Consumers);   // both warpgroups are done with P^T and dS^T
     }
     if (lane == 0) bulk_wait<0>();
-    // Both warpgroups' products are done with K and V, and every consumer's adds to the staged
-    // gradients are in.
-    if (TileSteps == 2) named_bar_sync(6, Consumers);
-    if constexpr (V::UserScore) stage_user_grads<true>(p.user, threadIdx.x, Consumers);
+    mod.flush_grads();
+    // Both warpgroups' products are done with K and V.
+    named_bar_sync(6, Consumers);
 
     // dK = scale * dk and dV of the warpgroup's columns through K and V's sub-tiles 2 wg and
     // 2 wg + 1 to bulk stores.

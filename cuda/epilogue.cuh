@@ -9,7 +9,6 @@
 #include "common.cuh"
 #include "seqinfo.cuh"
 #include "softmax.cuh"
-#include "user.cuh"
 
 // Waits until the stage is free: every asynchronous copy has landed (with no key block, the
 // first tile may still be landing) and every warp is done reading.
@@ -144,15 +143,13 @@ __device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const Seq
 }
 
 // The dK/dV pass: dK = scale * dk and dV = dv of the warp's keys from key0 and head-dim
-// columns from col, for the key block at col0 of kv head hk, staged in sK and sV; a user
-// score_mod's array gradients, added up in shared memory by the block, go out first.
-template <typename Elem, int Bc, int HeadDim, int Threads, bool UserGrads, int KM, int DN, typename Seq>
+// columns from col, for the key block at col0 of kv head hk, staged in sK and sV.
+template <typename Elem, int Bc, int HeadDim, int Threads, int KM, int DN, typename Seq>
 __device__ __forceinline__ void dkdv_epilogue(const BwdParams& p, const Seq& seq, int hk, int col0,
                                               int key0, int col, int lane, bool vec_ok,
                                               const float (&dk)[KM][DN][4], const float (&dv)[KM][DN][4],
                                               u16* sK, u16* sV) {
     epilogue_begin();
-    if constexpr (UserGrads) stage_user_grads<true>(p.user, threadIdx.x, blockDim.x);
     const float scale = static_cast<float>(p.scale);
     stage_rows<Elem, HeadDim + SMEM_PAD>(sK, key0, col, dk, lane, scale);
     stage_rows<Elem, HeadDim + SMEM_PAD>(sV, key0, col, dv, lane, 1.f);

@@ -446,6 +446,7 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
         }
     }
 
+    mod.flush_grads(p);
     if (active) {
         store_row(seq.template k_row<T>(p.dk, hk, key), dk, static_cast<T>(p.scale), p.headdim, lane);
         store_row(seq.template k_row<T>(p.dv, hk, key), dv, T(1), p.headdim, lane);

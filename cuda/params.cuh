@@ -58,8 +58,6 @@ struct UserParams {
     const void* arrays[USER_ARRAYS];
     void* grads[USER_ARRAYS];
     int shape[USER_ARRAYS][USER_NDIM];
-    int grad_smem[USER_ARRAYS];   // > 0: the byte offset in dynamic shared memory where the
-                                  // dK/dV pass adds up that float32 gradient first (user.cuh)
 };
 
 // A packed variable-length batch (Variant::Varlen, seqinfo.cuh): sequence b's query rows are

@@ -27,6 +27,7 @@ struct ScoreMod {
     float bias;   // ALiBi: the bias per unit of distance for this (batch, head), in held units
     int b = 0, h = 0;   // the batch entry and query head a user score_mod is asked about
     SeqLens<V::Seq> lens;   // the entry's lengths (ALiBi's diagonal, the user's clamps)
+    mutable UserGrads grads;   // the thread's running sums to a user score_mod's gradients
 
     __device__ __forceinline__ explicit ScoreMod(const Params& params) : p(params), bias(0.f) {}
 
@@ -61,7 +62,11 @@ struct ScoreMod {
     }
     __device__ __forceinline__ float user_grad(float raw, float dscore, int query, int key, bool accumulate) const {
         return V::Mods::grad(p.user, raw * p.mod.scale, dscore, b, h, min(query, lens.q(p) - 1),
-                             min(key, lens.k(p) - 1), accumulate);
+                             min(key, lens.k(p) - 1), accumulate, grads);
+    }
+    // The running sums to memory, after the thread's last user_grad.
+    __device__ __forceinline__ void flush_grads() const {
+        if constexpr (V::UserScore) flush_user_grads(p.user, grads);
     }
 
     // The held value of a raw score.
@@ -122,6 +127,7 @@ struct PlainScoreMod {
     T cap;     // softcap * unit
     T bias;    // -slope * unit of the selected head
     int b, h, seqlen_q, seqlen_k;   // the selected entry's lengths
+    mutable UserGrads grads;        // as ScoreMod's
 
     template <typename Params>
     __device__ __forceinline__ PlainScoreMod(const Params& p)
@@ -166,8 +172,13 @@ struct PlainScoreMod {
     template <typename Params>
     __device__ __forceinline__ T backprop(const Params& p, T dlogit, T aux, int query, int key, bool accumulate) const {
         if constexpr (V::UserScore)
-            return V::Mods::grad(p.user, aux, dlogit, b, h, min(query, seqlen_q - 1), min(key, seqlen_k - 1), accumulate);
+            return V::Mods::grad(p.user, aux, dlogit, b, h, min(query, seqlen_q - 1), min(key, seqlen_k - 1), accumulate,
+                                 grads);
         else
             return dlogit * aux;
+    }
+    template <typename Params>
+    __device__ __forceinline__ void flush_grads(const Params& p) const {
+        if constexpr (V::UserScore) flush_user_grads(p.user, grads);
     }
 };

@@ -42,63 +42,67 @@ struct UserArray : UserShape<N> {
 // The gradient of an array (its shape; float64 in the float64 kernels, float32 in the others):
 // d.add(i, v) adds v to flat element i. Only one pass per element adds (the dK/dV pass; `on`
 // is false in the dQ pass), and zeros, the masked elements among them, add nothing.
-// A float32 gradient small enough is added up per thread block in shared memory first
-// (UserParams::grad_smem, stage_user_grads): the elements of a diagonal all add to one entry of
-// a relative-position table, and global atomics on a few addresses serialize.
+// float32: a thread's adds to one element in a row meet in its registers (GradPending, one per
+// array in the score step's UserGrads), and reach memory by one atomic when it moves to another
+// element or at the end (flush_user_grads). Most scores of a long sequence add to a
+// relative-position table's two clamped buckets: an atomic per score, even one per warp with
+// its lanes summed first, made the backward 2.6-20x slower than without the gradient
+// (benchmarks/NOTES.md). The add is branch-free (a predicated atomic): a test per score that
+// kept a warp's lanes together for shuffles cost more than the atomics it saved.
+struct GradPending {
+    index_t idx = -1;   // the element, or -1: none
+    float sum = 0.f;
+};
+struct UserGrads {
+    GradPending slot[USER_ARRAYS];
+};
+
 template <int N>
 struct GradArray : UserShape<N> {
     void* data;
-    float* staged;
+    GradPending& pending;
     bool on;
 
-    __device__ __forceinline__ GradArray(const UserParams& u, int slot, bool accumulate)
-        : UserShape<N>{u.shape[slot]}, data(u.grads[slot]), staged(nullptr), on(accumulate) {
-        extern __shared__ __align__(16) unsigned char user_smem[];
-        if (u.grad_smem[slot] > 0) staged = reinterpret_cast<float*>(user_smem + u.grad_smem[slot]);
-    }
+    __device__ __forceinline__ GradArray(const UserParams& u, int slot, bool accumulate, UserGrads& g)
+        : UserShape<N>{u.shape[slot]}, data(u.grads[slot]), pending(g.slot[slot]), on(accumulate) {}
     template <typename S>
     __device__ __forceinline__ void add(index_t i, S v) const {
-        if (!on || v == S(0)) return;
+        if (!on) return;
         if constexpr (sizeof(S) == 8) {
-            atomicAdd(static_cast<double*>(data) + i, static_cast<double>(v));
+            if (v != S(0)) atomicAdd(static_cast<double*>(data) + i, static_cast<double>(v));
         } else {
-            float* target = (staged ? staged : static_cast<float*>(data)) + i;
-            // Lanes adding to one element add once, their sum: the lanes that hold one
-            // diagonal of a fragment hit one entry of a relative-position table.
-            const unsigned active = __activemask();
-            const unsigned peers = __match_any_sync(active, static_cast<unsigned long long>(i));
-            const int lane = threadIdx.x % 32;
-            float total = 0.f;
-            unsigned rest = peers;
-            while (__any_sync(active, rest != 0)) {
-                const int src = rest ? __ffs(rest) - 1 : lane;
-                const float x = __shfl_sync(active, static_cast<float>(v), src);
-                if (rest) {
-                    total += x;
-                    rest &= rest - 1;
-                }
-            }
-            if (lane == __ffs(peers) - 1) atomicAdd(target, total);
+            const float x = static_cast<float>(v);
+            const bool same = x == 0.f || pending.idx == i;
+            if (!same && pending.idx >= 0) atomicAdd(static_cast<float*>(data) + pending.idx, pending.sum);
+            pending.sum = same ? pending.sum + x : x;
+            pending.idx = same ? pending.idx : i;
         }
     }
 };
 
-// The staged gradients of a thread block: zeroed (Flush false) before its first barrier, added
-// to memory (Flush true) after its last step, by `threads` threads (tid: the thread's rank
-// among them; the Hopper backward's consumers add and flush, every thread zeroes).
-template <bool Flush>
-__device__ __forceinline__ void stage_user_grads(const UserParams& u, int tid, int threads) {
-    extern __shared__ __align__(16) unsigned char user_smem[];
+// A thread's running sums to memory once its last score has added to them. The threads of a
+// block mostly end on the same elements (the clamped buckets): the lanes of one element add
+// once, their sum.
+__device__ __forceinline__ void flush_user_grads(const UserParams& u, UserGrads& g) {
+    const unsigned active = __activemask();
+    const int lane = threadIdx.x % 32;
+#pragma unroll
     for (int slot = 0; slot < USER_ARRAYS; ++slot) {
-        if (u.grad_smem[slot] <= 0) continue;
-        float* staged = reinterpret_cast<float*>(user_smem + u.grad_smem[slot]);
-        const index_t n = static_cast<index_t>(u.shape[slot][0]) * u.shape[slot][1] * u.shape[slot][2] * u.shape[slot][3];
-        for (index_t i = tid; i < n; i += threads) {
-            if (!Flush)
-                staged[i] = 0.f;
-            else if (staged[i] != 0.f)
-                atomicAdd(static_cast<float*>(u.grads[slot]) + i, staged[i]);
+        const GradPending pend = g.slot[slot];
+        g.slot[slot] = GradPending{};
+        if (!__any_sync(active, pend.idx >= 0)) continue;
+        const unsigned peers = __match_any_sync(active, static_cast<unsigned long long>(pend.idx));
+        float total = 0.f;
+        unsigned rest = peers;
+        while (__any_sync(active, rest != 0)) {
+            const int src = rest ? __ffs(rest) - 1 : lane;
+            const float x = __shfl_sync(active, pend.sum, src);
+            if (rest) {
+                total += x;
+                rest &= rest - 1;
+            }
         }
+        if (pend.idx >= 0 && lane == __ffs(peers) - 1) atomicAdd(static_cast<float*>(u.grads[slot]) + pend.idx, total);
     }
 }
 
@@ -110,7 +114,9 @@ struct NoMods {
     template <typename S>
     static __device__ __forceinline__ S score(const UserParams&, S score, int, int, int, int) { return score; }
     template <typename S>
-    static __device__ __forceinline__ S grad(const UserParams&, S, S dscore, int, int, int, int, bool) { return dscore; }
+    static __device__ __forceinline__ S grad(const UserParams&, S, S dscore, int, int, int, int, bool, UserGrads&) {
+        return dscore;
+    }
     static __device__ __forceinline__ bool mask(const UserParams&, int, int, int, int) { return true; }
 };
 // @user-mods

@@ -35,8 +35,7 @@ BOUNDED_LOG2 = 64.0
 # cuda/params.cuh's UserParams: arrays per call and dimensions per array.
 USER_ARRAYS, USER_NDIM = 8, 4
 USER_PARAMS = np.dtype([("arrays", np.uint64, (USER_ARRAYS,)), ("grads", np.uint64, (USER_ARRAYS,)),
-                        ("shape", np.int32, (USER_ARRAYS, USER_NDIM)),
-                        ("grad_smem", np.int32, (USER_ARRAYS,))], align=True)
+                        ("shape", np.int32, (USER_ARRAYS, USER_NDIM))], align=True)
 DROPOUT_PARAMS = np.dtype([("seed", np.uint64), ("offset", np.uint32), ("threshold", np.uint32),
                            ("scale", np.float64)], align=True)
 _DIMS = [("batch", np.int32), ("nheads", np.int32), ("nheads_k", np.int32), ("group", np.int32),
@@ -575,20 +574,6 @@ def _fill_user(rec, arrays, grads=None):
         rec["grads"][slot] = g.data.ptr
 
 
-def _stage_grads(rec, grads, base, smem_limit):
-    """Where the dK/dV kernel adds up float32 gradients in shared memory after its own
-    ``base`` bytes (cuda/user.cuh GradArray), when all of them fit; the bytes that takes."""
-    sizes = {slot: _config.cdiv(g.size * 4, 16) * 16 for slot, g in (grads or {}).items()
-             if g.dtype == np.float32}
-    if not sizes or base + sum(sizes.values()) > smem_limit:
-        return 0
-    offset = base
-    for slot, size in sizes.items():
-        rec["grad_smem"][slot] = offset
-        offset += size
-    return offset - base
-
-
 CLASSIFY_THREADS = 256
 CLASSIFY_PARAMS = np.dtype([("user", USER_PARAMS), ("counts", np.uint64), ("seqlen_q", np.int32),
                             ("seqlen_k", np.int32), ("block_q", np.int32), ("block_k", np.int32),
@@ -818,13 +803,12 @@ def sm90_bwd_keys(hd):
 SM90_BWD_CAUSAL_80_FROM = 8192
 
 
-def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, user_grads=False, seqlen_q=0):
+def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, seqlen_q=0):
     """Query rows per step of the Hopper backward: 128 at head dim 64 (S^T and dP^T by wgmma
     with 128 queries); 64 at 256 (the wide kernel); at 128 (dK and dV take 128 registers) 80,
     fewer shared-memory bytes per FLOP with dQ made transposed (cuda/bwd_sm90.cu), for calls
     without a band (or causal ones of ``SM90_BWD_CAUSAL_80_FROM`` query rows or more, not
-    packed), block mask, mask_mod, deterministic order or a score_mod's gradient arrays
-    (``user_grads``: their sums take the shared memory that 80-row steps fill), else 64.
+    packed), block mask, mask_mod or deterministic order, else 64.
     ALiBi in packed batches or causal calls keeps 64: at 80, ptxas serialized their wgmma for
     want of registers (a user score_mod's kernel is checked once compiled: ``sm90_bwd_step``).
     Without ``spec``: the rows of calls that cannot take 80."""
@@ -833,7 +817,7 @@ def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, user_grad
     band_ok = spec is not None and (spec.window == _spec.NO_WINDOW or (
         spec.causal and not spec.varlen and seqlen_q >= SM90_BWD_CAUSAL_80_FROM))
     wide_rows = (hd == 128 and band_ok and block_mask is None
-                 and not deterministic and not spec.mask_mod and not (spec.score_mod and user_grads)
+                 and not deterministic and not spec.mask_mod
                  and not (spec.alibi and (spec.varlen or spec.causal)))
     return 80 if wide_rows else 64
 
@@ -844,14 +828,14 @@ def _bwd_sm90_name(spec, hd, rows):
     return template_name("flash_bwd_sm90_kernel", ELEM[spec.dtype], hd, rows, spec.variant())
 
 
-def sm90_bwd_step(spec, block_mask, deterministic, user_grads, seqlen_q):
+def sm90_bwd_step(spec, block_mask, deterministic, seqlen_q):
     """The rows of a call's Hopper backward: ``sm90_bwd_rows``, except that a user
     score_mod's 80-row kernel is compiled and loaded first, and where it has local memory or
     ptxas serialized its wgmma (registers run short beside some snippets: a table lookup per
     score measured 13% slower than at 64 rows, benchmarks/NOTES.md) the call takes 64, as
     ``_user_tile`` picks the generic kernels' tiles."""
     hd = sm90_bwd_headdim(spec.headdim)
-    rows = sm90_bwd_rows(hd, spec, block_mask, deterministic, user_grads, seqlen_q)
+    rows = sm90_bwd_rows(hd, spec, block_mask, deterministic, seqlen_q)
     if rows == 80 and spec.score_mod:
         import cupy
         from cupy_backends.cuda.api import driver
@@ -916,11 +900,6 @@ def _row_map(x, dtype, rows):
     return desc
 
 
-# The Hopper backward's static shared memory (its barriers and two stages' lse and D), at most:
-# what the staged gradients of a user score_mod leave under the device's limit.
-SM90_BWD_STATIC_SMEM = 4096
-
-
 def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, rows, packed=None,
                    user_grads=None, done=0):
     """Launch the Hopper dK/dV pass of ``rows`` queries per step (``sm90_bwd_rows``); ``done``:
@@ -934,14 +913,12 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=False, q=True)
     _check_lists(p, "q_blocks", keys, rows)
     # K, V, two stages of Q and dO (`rows` rows); keys x rows tiles of dS^T, two steps', or 64
-    # x 64 of P^T and dS^T (wide), two steps' but one's with a user score_mod; eight warps'
-    # fp32 dQ stages (16 rows x the warpgroup's dQ columns: hd at 128 rows, else hd / 2; 16
-    # columns x 80 queries at 80 rows; none wide, whose stages are in Q and dO's tiles); 1 KB
-    # to align; then a user score_mod's staged gradients.
+    # x 64 of P^T and dS^T (wide), two steps'; eight warps' fp32 dQ stages (16 rows x the
+    # warpgroup's dQ columns: hd at 128 rows, else hd / 2; 16 columns x 80 queries at 80 rows;
+    # none wide, whose stages are in Q and dO's tiles); 1 KB to align.
     dq_cols = 0 if hd == 256 else hd if rows == 128 else rows if rows == 80 else hd // 2
-    tiles_kq = 4 if hd == 256 and not spec.score_mod else 2
+    tiles_kq = 4 if hd == 256 else 2
     smem = (2 * keys + 4 * rows) * hd * 2 + tiles_kq * keys * rows * 2 + 8 * 16 * dq_cols * 4 + 1024
-    smem += _stage_grads(p["user"], user_grads, smem, _smem_limit() - SM90_BWD_STATIC_SMEM)
     tp = np.zeros((), BWD_SM90_PARAMS)
     tiles = _config.cdiv(sk, keys)
     # What a (kv head, batch) pair's blocks all read: its query heads' Q, dO and fp32 dQ.
@@ -1094,7 +1071,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     if overlap:
         counts = empty(b * hk, np.int32)
         done = np.uint64(counts.data.ptr)
-    step = sm90_bwd_step(spec, block_mask, deterministic, bool(user_grads), sq) if hopper else 0
+    step = sm90_bwd_step(spec, block_mask, deterministic, sq) if hopper else 0
     strips = dq_accum is not None and step == 80   # the buffer in cuda/bwd.cu's DQ_STRIPS
     _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
             (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))
@@ -1133,10 +1110,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
             _fill_lists(p, block_mask, t.br, t.bc, causal, kv=False, q=True)
         _check_lists(p, "q_blocks", t.bc, t.br)
         _, name, smem = name_of(t)
-        smem += _stage_grads(p["user"], user_grads, smem, limit)
         _launch("bwd.cu", name, _tile_grid(p, _config.cdiv(sk, t.bc), hk, b, causal), 32 * t.warps,
                 smem, p[()], spec.user_mods)
-        p["user"]["grad_smem"] = 0
         if dq_accum is None:
             def name_of(t):
                 return ("bwd.cu", template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc,

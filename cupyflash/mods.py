@@ -253,7 +253,7 @@ def prelude(score_mod, mask_mod):
     if score is not None:
         for slot, (owner, name, a) in enumerate(slots(score_mod, mask_mod)):
             if owner == "score_mod" and name in score_mod.grad_arrays:
-                grads.append(f"const GradArray<{len(a.shape)}> d_{name}(u_, {slot}, accumulate); "
+                grads.append(f"const GradArray<{len(a.shape)}> d_{name}(u_, {slot}, accumulate, g_); "
                              f"(void)d_{name};")
 
     def function(head, decls, file, code, fallback):
@@ -272,7 +272,7 @@ def prelude(score_mod, mask_mod):
                      views["score_mod"], SCORE_FILE, score, "return score;"),
             "    template <typename S>",
             function(f"static __device__ __forceinline__ S grad(const UserParams& u_, S score, S dscore, "
-                     f"{sig}, bool accumulate)", views["score_mod"] + grads, GRAD_FILE,
+                     f"{sig}, bool accumulate, UserGrads& g_)", views["score_mod"] + grads, GRAD_FILE,
                      score_mod.grad if score is not None else None, "return dscore;"),
             function(f"static __device__ __forceinline__ bool mask(const UserParams& u_, {sig})",
                      views["mask_mod"], MASK_FILE, mask, "return true;"),
@@ -282,9 +282,10 @@ def prelude(score_mod, mask_mod):
 
 _PROBE = """
 extern "C" __global__ void cupyflash_snippet_probe(const UserParams u, double* out) {
+    UserGrads g;
     out[0] = UserMods::score<float>(u, 1.f, 0, 0, 0, 0) + UserMods::score<double>(u, 1.0, 0, 0, 0, 0)
-           + UserMods::grad<float>(u, 1.f, 1.f, 0, 0, 0, 0, true)
-           + UserMods::grad<double>(u, 1.0, 1.0, 0, 0, 0, 0, true)
+           + UserMods::grad<float>(u, 1.f, 1.f, 0, 0, 0, 0, true, g)
+           + UserMods::grad<double>(u, 1.0, 1.0, 0, 0, 0, 0, true, g)
            + UserMods::mask(u, 0, 0, 0, 0);
 }
 """

@@ -52,39 +52,45 @@ def inputs(shape, dtype=np.float64, seed=0):
 # ---------------------------------------------------------------------------------------------
 # The mods
 
-def t5_mod(bias, W):
+def t5_mod(bias, W, clamp=False):
     """T5-style relative-position bias: ``score + bias[h, kv_idx - q_idx + W]``, bias
-    (nheads, 2 W), W >= max(seqlen_q, seqlen_k) so that every offset has its entry; with its
-    gradient (d bias[h, r] = the sum of dS over the elements at offset r - W) as CUDA and
-    Python rules."""
+    (nheads, 2 W), W >= max(seqlen_q, seqlen_k) so that every offset has its entry; or with
+    ``clamp``, offsets clamped to [-W, W] as T5's far buckets (bias (nheads, 2 W + 1)): most
+    elements of a long sequence then add to two entries. With its gradient (d bias[h, r] = the
+    sum of dS over the elements at offset r - W) as CUDA and Python rules."""
     def rule(score, b, h, q_idx, kv_idx, bias):
-        return score + bias[h, kv_idx - q_idx + W]
+        return score + bias[h, t5_offsets(kv_idx - q_idx, W, clamp)]
 
     def grad(score, dscore, b, h, q_idx, kv_idx, bias, d_bias):
-        hh, rel, ds = np.broadcast_arrays(h, kv_idx - q_idx + W, dscore)
+        hh, rel, ds = np.broadcast_arrays(h, t5_offsets(kv_idx - q_idx, W, clamp), dscore)
         np.add.at(d_bias, (hh, rel), ds)
         return dscore
 
-    return cf.ScoreMod(f"score + bias(h, kv_idx - q_idx + {W})",
-                       grad=f"d_bias.add(bias.offset(h, kv_idx - q_idx + {W}), dscore); "
-                            f"return dscore;",
+    at = f"min(max(kv_idx - q_idx, -{W}), {W}) + {W}" if clamp else f"kv_idx - q_idx + {W}"
+    return cf.ScoreMod(f"score + bias(h, {at})",
+                       grad=f"d_bias.add(bias.offset(h, {at}), dscore); return dscore;",
                        python=rule, python_grad=grad, arrays={"bias": bias},
                        grad_arrays=("bias",))
 
 
-def t5_dense(bias, sq, sk, W):
+def t5_offsets(rel, W, clamp=False):
+    """The table column of offset kv_idx - q_idx = rel."""
+    return (np.clip(rel, -W, W) if clamp else rel) + W
+
+
+def t5_dense(bias, sq, sk, W, clamp=False):
     """The bias as the reference adds it: (nheads, sq, sk), bias[h, j - i + W]."""
-    rel = np.arange(sk)[None, :] - np.arange(sq)[:, None] + W
+    rel = t5_offsets(np.arange(sk)[None, :] - np.arange(sq)[:, None], W, clamp)
     return np.asarray(bias)[:, rel]
 
 
-def t5_bias_grad(ds, W, dtype=np.float64):
+def t5_bias_grad(ds, W, dtype=np.float64, clamp=False):
     """d bias from dS (b, h, sq, sk): the sum of dS over batch and each diagonal, summed in
     ``dtype``."""
     ds = np.asarray(ds).astype(dtype)
     _, h, sq, sk = ds.shape
-    out = np.zeros((h, 2 * W), dtype)
-    rel = np.arange(sk)[None, :] - np.arange(sq)[:, None] + W
+    out = np.zeros((h, 2 * W + clamp), dtype)
+    rel = t5_offsets(np.arange(sk)[None, :] - np.arange(sq)[:, None], W, clamp)
     np.add.at(out, (np.arange(h)[:, None, None], rel[None]), ds.sum(axis=0, dtype=dtype))
     return out
 
@@ -188,6 +194,15 @@ def test_t5_gradients_match_finite_differences(kw, shape):
     bias = np.random.default_rng(7).standard_normal((h, 2 * W))
     assert_gradients_match_finite_differences(q, k, v, dout, score_mod=t5_mod(bias, W), **kw)
     _assert_table_grad_matches_fd(q, k, v, dout, lambda t: t5_mod(t, W), bias, "bias", **kw)
+
+
+def test_clamped_t5_gradient_matches_finite_differences():
+    """The clamped table (t5_mod(clamp=True)): its two far entries gather most elements."""
+    shape = (1, 9, 11, 2, 1, 4)
+    q, k, v, dout = (x * 2 for x in inputs(shape, seed=12))
+    bias = np.random.default_rng(8).standard_normal((2, 2 * 3 + 1))
+    _assert_table_grad_matches_fd(q, k, v, dout, lambda t: t5_mod(t, 3, clamp=True), bias, "bias",
+                                  causal=True)
 
 
 def _assert_table_grad_matches_fd(q, k, v, dout, make_mod, table, name, eps=1e-6, **kw):
@@ -623,12 +638,14 @@ class GpuCase:
     causal: bool
     mods: str               # "t5", "doc" or "both"
     shift: float = 0.0      # added to every entry of the T5 bias table
+    clamp: int = 0          # > 0: the T5 offsets clamped to [-clamp, clamp] (t5_mod)
 
     @property
     def id(self):
         return (f"{self.dtype}-{self.mods}-b{self.batch}-q{self.sq}-k{self.sk}-h{self.nheads}"
                 f"k{self.nheads_k}-d{self.d}-{'causal' if self.causal else 'full'}"
-                + (f"-shift{self.shift:g}" if self.shift else ""))
+                + (f"-shift{self.shift:g}" if self.shift else "")
+                + (f"-clamp{self.clamp}" if self.clamp else ""))
 
     @property
     def seed(self):
@@ -652,11 +669,20 @@ GPU_CASES += [GpuCase("bfloat16", 2, 200, 129, 4, 2, 256, True, "both"),
 SHIFTED = [GpuCase("float16", 2, 100, 130, 2, 2, 64, causal, "t5", shift=20.0)
            for causal in (False, True)]
 GPU_CASES += SHIFTED
+# Clamped offsets: most warps add a whole fragment register's dS to one table entry (one
+# reduction across the warp), the lanes near the diagonal to a few (cuda/user.cuh).
+GPU_CASES += [GpuCase(dtype, 2, 300, 333, 4, 2, d, causal, "t5", clamp=16)
+              for dtype, d in (("bfloat16", 128), ("float16", 64), ("float32", 64))
+              for causal in (False, True)]
+
+
+def _t5_width(case):
+    """The T5 table's W (its offsets' bound) and its clamp flag."""
+    return (case.clamp, True) if case.clamp else (max(case.sq, case.sk), False)
 
 
 def _gpu_mods(case, xp, bias, doc):
-    W = max(case.sq, case.sk)
-    score = t5_mod(xp.asarray(bias), W) if case.mods in ("t5", "both") else None
+    score = t5_mod(xp.asarray(bias), *_t5_width(case)) if case.mods in ("t5", "both") else None
     mask = doc_mod(xp.asarray(doc)) if case.mods in ("doc", "both") else None
     return score, mask
 
@@ -673,10 +699,10 @@ def check_gpu_case(case, deterministic, monkeypatch):
     shape = (case.batch, case.sq, case.sk, case.nheads, case.nheads_k, case.d)
     host = inputs(shape, np_dtype(case.dtype), seed=case.seed)
     q, k, v, dout = (cupy.asarray(x) for x in host)
-    W = max(case.sq, case.sk)
+    W, clamp = _t5_width(case)
     rng = np.random.default_rng(case.seed + 5)
-    bias = (case.shift + 0.5 * rng.standard_normal((case.nheads, 2 * W))).astype(np.float32)
-    doc = doc_ids([60, 140, 100, 100], batch=case.batch, seed=case.seed)[:, :W]
+    bias = (case.shift + 0.5 * rng.standard_normal((case.nheads, 2 * W + clamp))).astype(np.float32)
+    doc = doc_ids([60, 140, 100, 100], batch=case.batch, seed=case.seed)[:, :max(case.sq, case.sk)]
     score, mask = _gpu_mods(case, cupy, bias, doc)
     kw = dict(causal=case.causal, score_mod=score, mask_mod=mask)
     out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
@@ -712,7 +738,7 @@ def check_gpu_case(case, deterministic, monkeypatch):
     scale = case.d ** -0.5
     dense = {}
     if score is not None:
-        dense["bias"] = cupy.asarray(t5_dense(bias, case.sq, case.sk, W))
+        dense["bias"] = cupy.asarray(t5_dense(bias, case.sq, case.sk, W, clamp))
     if mask is not None:
         dense["mask"] = cupy.asarray(doc_dense(doc, case.sq, case.sk))
     if case.dtype == "float64":
@@ -742,7 +768,8 @@ def check_gpu_case(case, deterministic, monkeypatch):
         naive_dtype = "float32" if case.dtype == "float32" else case.dtype
         *_, naive_ds = attention_naive_backward(dout, q, k, v, scale, case.causal, naive_dtype,
                                                 return_ds=True, **dense)
-        naive_bias = t5_bias_grad(cupy.asnumpy(naive_ds), W, np.float64 if wide else np.float32)
+        naive_bias = t5_bias_grad(cupy.asnumpy(naive_ds), W, np.float64 if wide else np.float32,
+                                  clamp)
         assert_rule("d bias", cupy.asnumpy(d_bias), refs[3]["bias"], naive_bias, BWD_FACTOR)
 
 

@@ -471,7 +471,6 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     (128, {}, 80), (96, dict(softcap=5.0, alibi_slopes=np.ones(2)), 80), (64, {}, 128), (256, {}, 64),
     (128, dict(causal=True), 64), (128, dict(window_size=(100, 0)), 64), (128, dict(block_mask=True), 64),
     (128, dict(deterministic=True), 64), (128, dict(score_mod=True), 80),
-    (128, dict(score_mod=True, user_grads=True), 64),
     (128, dict(alibi_slopes=np.ones(2), seq=_spec.SEQ_PACKED), 64), (128, dict(seq=_spec.SEQ_PACKED), 80),
     (128, dict(alibi_slopes=np.ones(2), causal=True, seqlen_q=8192), 64),
     (128, dict(causal=True, seqlen_q=8192), 80), (96, dict(causal=True, softcap=5.0, seqlen_q=9000), 80),
@@ -479,17 +478,16 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     (128, dict(window_size=(100, 0), seqlen_q=8192), 64)])
 def test_the_hopper_backward_steps_80_queries_at_d128_without_a_band(d, kw, rows):
     """m64n80 products where nothing else needs the registers or 64-row steps (a band's
-    diagonal blocks, a block mask's lists, the deterministic counters, a score_mod's staged
-    gradients), and causal calls from SM90_BWD_CAUSAL_80_FROM query rows on (``seqlen_q``;
+    diagonal blocks, a block mask's lists, the deterministic counters), and causal calls from SM90_BWD_CAUSAL_80_FROM query rows on (``seqlen_q``;
     shorter ones lose more to the masked rows of steps that do not start on the diagonal)."""
     seqlen_q = kw.pop("seqlen_q", 256)
     q = np.zeros((1, 256, 2, d), np.float16)
     mask = cf.masks.sliding_window(256, 256, 1, block_size=128) if kw.pop("block_mask", False) else None
-    deterministic, user_grads = kw.pop("deterministic", False), kw.pop("user_grads", False)
+    deterministic = kw.pop("deterministic", False)
     score_mod = object() if kw.pop("score_mod", False) else None   # any: the spec asks only whether
     spec = _spec.CallSpec.of(q, causal=kw.pop("causal", False), block_mask=mask, score_mod=score_mod, **kw)
     hd = _launch.sm90_bwd_headdim(spec.headdim)
-    assert _launch.sm90_bwd_rows(hd, spec, mask, deterministic, user_grads, seqlen_q) == rows
+    assert _launch.sm90_bwd_rows(hd, spec, mask, deterministic, seqlen_q) == rows
 
 
 @pytest.mark.parametrize("pair_mib, pairs, group", [
@@ -548,7 +546,7 @@ def test_sm90_backward_of_a_user_score_mod_takes_80_rows_where_its_kernel_allows
     module.load(cubin)
     local = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, module.get_function(lowered[name]).ptr)
     clean = not local and _compile.WGMMA_SERIALIZED not in log
-    rows = _launch.sm90_bwd_step(spec, None, False, False, sq)
+    rows = _launch.sm90_bwd_step(spec, None, False, sq)
     assert rows == (80 if clean else 64)
     assert how == "table" or rows == 80, "the slope per head's kernel no longer fits 80 rows"
     scale = d ** -0.5
