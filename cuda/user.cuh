@@ -45,8 +45,8 @@ struct UserArray : UserShape<N> {
 // float32: a thread's adds to one element in a row meet in its registers (GradPending, one per
 // array in the score step's UserGrads), and reach memory by one atomic when it moves to another
 // element or at the end (flush_user_grads). Most scores of a long sequence add to a
-// relative-position table's two clamped buckets: an atomic per score, even one per warp with
-// its lanes summed first, made the backward 2.6-20x slower than without the gradient
+// relative-position table's two clamped buckets: an atomic per score, or one per warp with
+// its lanes summed first, made the backward 5-26x slower than without the gradient
 // (benchmarks/NOTES.md). The add is branch-free (a predicated atomic): a test per score that
 // kept a warp's lanes together for shuffles cost more than the atomics it saved.
 struct GradPending {
