@@ -27,7 +27,7 @@ struct ScoreMod {
     float bias;   // ALiBi: the bias per unit of distance for this (batch, head), in held units
     int b = 0, h = 0;   // the batch entry and query head a user score_mod is asked about
     SeqLens<V::Seq> lens;   // the entry's lengths (ALiBi's diagonal, the user's clamps)
-    mutable UserGrads grads;   // the thread's running sums to a user score_mod's gradients
+    mutable typename UserGradsOf<V::UserScore>::type grads;   // the thread's running sums to a user score_mod's gradients
 
     __device__ __forceinline__ explicit ScoreMod(const Params& params) : p(params), bias(0.f) {}
 
@@ -127,7 +127,7 @@ struct PlainScoreMod {
     T cap;     // softcap * unit
     T bias;    // -slope * unit of the selected head
     int b, h, seqlen_q, seqlen_k;   // the selected entry's lengths
-    mutable UserGrads grads;        // as ScoreMod's
+    mutable typename UserGradsOf<V::UserScore>::type grads;   // as ScoreMod's
 
     template <typename Params>
     __device__ __forceinline__ PlainScoreMod(const Params& p)

@@ -56,6 +56,11 @@ struct GradPending {
 struct UserGrads {
     GradPending slot[USER_ARRAYS];
 };
+// The score step's running sums where a user score_mod runs, else nothing: an unused UserGrads
+// member still changed the other kernels' register allocation (spills in four of them).
+struct NoUserGrads {};
+template <bool UserScore> struct UserGradsOf { using type = UserGrads; };
+template <> struct UserGradsOf<false> { using type = NoUserGrads; };
 
 template <int N>
 struct GradArray : UserShape<N> {
