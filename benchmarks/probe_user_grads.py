@@ -10,14 +10,13 @@ patterns (issue 16: user score_mods' array gradients), fp16, batch 2 x 8K, 16 he
 - full: a table with an entry per offset (2 x 8K - 1 per head), so that a thread's adds move
   to another element at every score.
 
-Times the backward call between CUDA events (median of the last 6 of 8 calls) and writes
-DIR/probe_user_grads[_NAME].json. The package imported (PYTHONPATH) is the one timed.
+Times the backward call as the bench does (``cupyflash.bench.time_calls``: the median of 6
+CUDA-event times after 2 calls) and writes DIR/probe_user_grads[_NAME].json. The package imported (PYTHONPATH) is the one timed.
 """
 import argparse
 from pathlib import Path
 
 import cupy as cp
-import numpy as np
 
 import cupyflash as cf
 from cupyflash import bench
@@ -35,15 +34,8 @@ SNIPPETS = {
 
 def backward_ms(q, k, v, dout, mod):
     out, lse = cf.flash_attention(q, k, v, score_mod=mod, return_lse=True)
-    times = []
-    for _ in range(8):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        cf.flash_attention_backward(dout, q, k, v, out, lse, score_mod=mod)
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times[2:]))
+    call = lambda: cf.flash_attention_backward(dout, q, k, v, out, lse, score_mod=mod)  # noqa: E731
+    return bench.time_calls(bench.CupyClock(), [call], reps=6, warmup=2)["ms"]
 
 
 def main():

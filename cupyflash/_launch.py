@@ -900,8 +900,7 @@ def _row_map(x, dtype, rows):
     return desc
 
 
-def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, rows, packed=None,
-                   user_grads=None, done=0):
+def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, rows, packed=None, done=0):
     """Launch the Hopper dK/dV pass of ``rows`` queries per step (``sm90_bwd_rows``); ``done``:
     where its blocks count themselves finished per (batch, kv head), or 0. Returns its blocks
     per (batch, kv head) (key tiles)."""
@@ -1084,8 +1083,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
                 or dq_accum.shape[3] != hd):
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
-        tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, step, packed,
-                               user_grads, done)
+        tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, step, packed, done)
         # At 16K tokens x 2048 it reads 128 MiB (~60 us on the H200, 4% of a d=128 2K
         # backward), and the pass's last wave leaves SMs idle. The 80-row pass's column strips
         # are read through 16 rows of shared memory.
