@@ -88,13 +88,12 @@ struct GradArray : UserShape<N> {
 // A thread's running sums to memory once its last score has added to them. The threads of a
 // block mostly end on the same elements (the clamped buckets): the lanes of one element add
 // once, their sum.
-__device__ __forceinline__ void flush_user_grads(const UserParams& u, UserGrads& g) {
+__device__ __forceinline__ void flush_user_grads(const UserParams& u, const UserGrads& g) {
     const unsigned active = __activemask();
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int slot = 0; slot < USER_ARRAYS; ++slot) {
         const GradPending pend = g.slot[slot];
-        g.slot[slot] = GradPending{};
         if (!__any_sync(active, pend.idx >= 0)) continue;
         const unsigned peers = __match_any_sync(active, static_cast<unsigned long long>(pend.idx));
         float total = 0.f;
