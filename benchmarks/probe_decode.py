@@ -11,21 +11,56 @@ replays, one per CUDA-event pair):
   a second kernel adds);
 - ``splits``: num_splits from the list below (0: the heuristic's pick), the whole call;
 - ``split_pass``: the same graph without the merge kernel (its outputs are then wrong: timing
-  only), so that whole - split_pass is the merge kernel's share.
+  only), so that whole - split_pass is the merge kernel's share;
+- ``read_floor``: a graph of one kernel that only reads the case's K and V bytes (16-byte
+  loads, a grid-stride loop over contiguous memory, every SM full), rotating among copies as
+  bench_decode.py does where they would stay in the L2: what any one-kernel decode of that
+  cache could reach at best, beside the copy bandwidth that the targets divide by.
 Writes DIR/probe_decode.json and prints a table.
 """
 import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import HEADDIM, NHEADS, NHEADS_K, as_layout, copy_bandwidth, random_cache  # noqa: E402
+from bench_decode import (HEADDIM, NHEADS, NHEADS_K, as_layout, cache_copies, copy_bandwidth,  # noqa: E402
+                          random_cache)
 from cupyflash import bench  # noqa: E402
 
 CASES = ((1, 8192), (1, 32768), (1, 131072), (8, 8192))
 SPLITS = (0, 8, 16, 24, 32, 33, 48, 64, 66, 99, 132, 198, 264)
 EMPTY = 'extern "C" __global__ void empty_kernel() {}'
+# Reads n 16-byte chunks; the xor keeps the loads (its store almost never happens).
+READ = r"""
+extern "C" __global__ void read_kernel(const uint4* __restrict__ src, long long n, unsigned* out) {
+    unsigned acc = 0;
+#pragma unroll 4
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 v = __ldg(src + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+"""
+
+
+def read_floor_ms(cp, clock, nbytes, reps):
+    """Graph replays of read_kernel over ``nbytes``, rotating among copies (cache_copies)."""
+    l2_bytes = cp.cuda.Device().attributes["L2CacheSize"]
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    kernel = cp.RawKernel(READ, "read_kernel")
+    bufs = [cp.ones(nbytes // 4, cp.uint32) for _ in range(cache_copies(nbytes, l2_bytes))]
+    out = cp.zeros(1, cp.uint32)
+    calls = [lambda b=b: kernel((8 * sms,), (256,), (b, np.int64(nbytes // 16), out)) for b in bufs]
+    stream, graphs, _ = bench.timing.graphs_of(calls)
+    with stream:
+        ms = bench.time_calls(clock, [lambda g=g: g.launch(stream) for g in graphs], reps)["ms"]
+    del bufs
+    bench.release_memory()
+    return ms
 
 
 def replay_ms(clock, call, reps):
@@ -66,6 +101,9 @@ def main():
         q = cp.random.standard_normal((batch, 1, NHEADS, HEADDIM), dtype=cp.float32).astype(k_cache.dtype)
         lens = cp.full(batch, context, cp.int32)
         kv = 2 * k_cache.nbytes
+        floor = read_floor_ms(cp, clock, kv, args.reps)
+        rows.append(dict(kind="read_floor", batch=batch, context=context, bytes=kv, ms=floor,
+                         of_copy=kv / (floor * 1e-3) / 1e9 / copy_gbps))
         for layout in args.layouts.split(","):
             kc, vc, table = as_layout(cp, k_cache, v_cache, layout)
             for n in splits:
@@ -91,6 +129,10 @@ def main():
              f"two {rows[1]['ms'] * 1e3:.1f} us",
              "| batch | context | layout | splits | us | split pass us | of copy |", "|---|---|---|---|---|---|---|"]
     for r in rows[2:]:
+        if r["kind"] == "read_floor":
+            lines.append(f"| {r['batch']} | {r['context'] // 1024}K | read only | - | {r['ms'] * 1e3:.1f} | - | "
+                         f"{r['of_copy']:.2f} |")
+            continue
         lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {r['layout']} | {r['num_splits']} | {r['ms'] * 1e3:.1f} | "
                      f"{r['split_pass_ms'] * 1e3:.1f} | {r['of_copy']:.2f} |")
     print("\n".join(lines))
