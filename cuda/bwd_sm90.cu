@@ -299,16 +299,16 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
     return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
 }
 
-// Where the host sets tp.dq_done (_launch.convert_overlaps: no band, head dims above 64),
+// Where the host sets tp.dq_done (_launch.convert_overlaps: not causal, head dims above 64),
 // the dQ convert kernel runs as this pass's programmatic dependent (launch_dependents at the
 // start of every block) and waits per (batch, kv head) until all of its blocks have counted
 // themselves there. A block counts once all its writes are complete, the dQ adds and dK, dV
 // alike, so that the convert's end also means the pass's. count_block_done by one thread;
 // block_done by every consumer thread at the end (each warp's lane 0 has waited for its bulk
 // adds and the storing threads for their bulk stores). Without tp.dq_done block_done costs
-// nothing (its fence and barrier measured 1.5-2% at d = 64 causal 2K). The banded kernels
-// compile neither the trigger nor block_done: the d = 256 causal one ran 2.5% slower with
-// them (A/B, H200).
+// nothing (its fence and barrier measured 1.5-2% at d = 64 causal 2K). The causal kernels
+// compile neither the trigger nor block_done: the d = 256 one ran 2.5% slower with them (A/B,
+// H200).
 __device__ __forceinline__ void count_block_done(const BwdSm90Params& tp, const BlockCoord& at) {
     if (tp.dq_done != nullptr) red_release_add(tp.dq_done + at.batch * tp.base.nheads_k + at.head, 1);
 }
@@ -364,7 +364,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     float* sdQ = reinterpret_cast<float*>(sdSt + 2 * 2 * Br * 64);
 
     // Causal: the first key blocks are seen by the most queries.
-    if constexpr (!V::Band) launch_dependents();
+    if constexpr (!V::Causal) launch_dependents();
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
@@ -611,7 +611,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         copy_stage_rows<Halves, 128>(stV, seq.template k_row<u16>(p.dv, at.head, my_col0), p.dv.row_stride, rows,
                                      p.headdim, tid);
     }
-    if constexpr (!V::Band) block_done(tp, at);
+    if constexpr (!V::Causal) block_done(tp, at);
 }
 
 // The dK/dV pass at head dim 256 (buckets 160 to 256), where one warpgroup's dK and dV for 64
@@ -650,7 +650,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sdO = sQ + Stages * Chunks * Sub;
     u16* sTiles = sdO + Stages * Chunks * Sub;   // step g's P^T and dS^T: tiles 2 t and 2 t + 1, t = g % 2
 
-    if constexpr (!V::Band) launch_dependents();
+    if constexpr (!V::Causal) launch_dependents();
     const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
@@ -834,5 +834,5 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         copy_stage_rows<2, 128>(stV, seq.template k_row<u16>(p.dv, at.head, col0) + HeadDim / 2 * wg,
                                 p.dv.row_stride, rows, cols, tid);
     }
-    if constexpr (!V::Band) block_done(tp, at);
+    if constexpr (!V::Causal) block_done(tp, at);
 }

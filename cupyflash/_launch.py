@@ -861,11 +861,12 @@ def convert_overlaps(spec, block_mask):
     convert block then waits for its (batch, kv head)'s count of finished pass blocks, a memory
     round trip ahead of its loads. Measured (H200, bf16, 16K tokens; benchmarks/NOTES.md,
     sixteenth session): +0.5-1.7% in the 128- and 256-column kernels (head dims above 64)
-    without a band; in the 64-column one the waits cost what the overlap saves, and with a band
+    without a band; in the 64-column one the waits cost what the overlap saves, and causal
     (longest tiles first; a causal block mask's too) the pass's last blocks are short and the
-    waits cost 1-3%. With a block mask and no band the convert is a larger share of the call:
-    a random 10% mask at 8K, bf16, d=128, 7% faster (thirty-fourth session)."""
-    return spec.window == _spec.NO_WINDOW and sm90_bwd_headdim(spec.headdim) >= 128
+    waits cost 1-3%. With a block mask the convert is a larger share of the call: a random 10%
+    mask at 8K, bf16, d=128, 7% faster; window (1024, 0) +1.7% at 8K, +0.3% at 32K, d=256
+    even (thirty-fourth session)."""
+    return not spec.causal and sm90_bwd_headdim(spec.headdim) >= 128
 
 
 def bwd_family(spec, block_mask, *arrays, deterministic=False):

@@ -558,12 +558,14 @@ def test_sm90_backward_of_a_user_score_mod_takes_80_rows_where_its_kernel_allows
 @pytest.mark.parametrize("d, kw, overlaps", [
     (128, {}, True), (96, {}, True), (256, {}, True), (200, dict(softcap=5.0), True),
     (64, {}, False), (40, {}, False), (128, dict(causal=True), False),
-    (256, dict(window_size=(100, 0)), False), (128, dict(block_mask="random"), True),
+    (256, dict(window_size=(100, 0)), True), (64, dict(window_size=(100, 0)), False),
+    (128, dict(window_size=(-1, 0)), False), (128, dict(block_mask="random"), True),
     (128, dict(block_mask="window"), True), (128, dict(block_mask="causal"), False),
     (128, dict(block_mask="window", causal=True), False)])
-def test_the_dq_convert_overlaps_the_pass_without_a_band_from_head_dim_128(d, kw, overlaps):
-    """The Hopper kernels' buckets: 96 runs the 128 kernel, 200 the 256 one; a band (a causal
-    block mask's included) keeps the convert after the pass, a block mask alone does not."""
+def test_the_dq_convert_overlaps_the_pass_unless_causal_from_head_dim_128(d, kw, overlaps):
+    """The Hopper kernels' buckets: 96 runs the 128 kernel, 200 the 256 one; a causal band (a
+    causal block mask's and window (-1, 0) included) keeps the convert after the pass, a
+    window or a block mask does not."""
     q = np.zeros((1, 256, 2, d), np.float16)
     masks = {"random": lambda: cf.masks.random(256, 256, 0.5, 0, block_size=128),
              "window": lambda: cf.masks.sliding_window(256, 256, 1, block_size=128),
