@@ -304,13 +304,33 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // The fixed base (softmax.cuh) only above 128 columns: at 64 and 128 its second sum
         // per score cost more than the max it saves (benchmarks/NOTES.md).
         softmax.init(HeadDim > 128 && mod.bounded());
+        // A user mask_mod's verdicts on block `it`, where it needs the mask: made while its
+        // S = Q K^T is still running (the snippet's array reads waited for in the chain
+        // between S and the softmax made a document mask's partial blocks ~6x the cost of
+        // full ones; benchmarks/NOTES.md). Not in the banded kernels at head dim 128, where
+        // the bits' two registers spilled 4-20 bytes: there the mask runs the snippet inline.
+        constexpr bool EarlyVerdicts = V::UserMask && (HeadDim != 128 || !V::Band);
+        HiddenBits<1, NT> hidden;
+        auto user_verdicts = [&](int it) {
+            if constexpr (EarlyVerdicts) {
+                int pos = it;
+                if constexpr (V::Alibi) pos = kb.from_pivot(it, pivot);
+                if (kb.needs_mask<V>(pos, Bc))
+                    hidden = user_hidden_bits<false, 1, NT>(mask, row0 + wrow, kb.block(pos) * Bc, lane);
+            }
+        };
         // The held scores of block `it` (landed in s): the score modifier and the mask.
         auto hold = [&](int it) {
             int pos = it;
             if constexpr (V::Alibi) pos = kb.from_pivot(it, pivot);
             const int n0 = kb.block(pos) * Bc;
             mod.apply<false>(s, row0 + wrow, n0, lane);
-            if (kb.needs_mask<V>(pos, Bc)) mask_scores<false>(s, mask, row0 + wrow, n0, lane);
+            if (kb.needs_mask<V>(pos, Bc)) {
+                if constexpr (EarlyVerdicts)
+                    mask_scores<false>(s, mask, row0 + wrow, n0, lane, [&](int i, int, int) { return hidden(i); });
+                else
+                    mask_scores<false>(s, mask, row0 + wrow, n0, lane);
+            }
         };
         // S of block `it` is done with: its K buffer is free, and after the last, Q's (unless
         // it stages O).
@@ -373,6 +393,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             my_turn();
             issue_qk(g);
             hand_on();
+            user_verdicts(0);
             wgmma_wait<0>();
             scores_landed(0);
             softmax_step(0, alpha);   // O is still zero: nothing to rescale
@@ -382,6 +403,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 issue_qk(g + it);
                 issue_pv(g + it - 1);
                 hand_on();
+                user_verdicts(it);
                 wgmma_wait<1>();
                 scores_landed(it);
                 const bool moved = softmax_step(it, alpha);

@@ -104,11 +104,39 @@ struct ScoreCoords {
     }
 };
 
+// The user's mask_mod over a fragment's elements (ScoreCoords), one bit each (element e of tile
+// (m, n) at bit (m N + n) 4 + e): set where it hides the element. Made apart from the scores, so
+// that a kernel can run the snippet (and wait for its array reads, from L2 where shared memory
+// leaves L1 little room) while the tensor cores still make them.
+template <int M, int N>
+struct HiddenBits {
+    u32 w[(M * N * 4 + 31) / 32];
+    __device__ __forceinline__ bool operator()(int i) const { return (w[i / 32] >> (i % 32)) & 1u; }
+};
+template <bool Transposed, int M, int N, typename V, typename Params>
+__device__ __forceinline__ HiddenBits<M, N> user_hidden_bits(const Mask<V, Params>& mask, int row0, int col0, int lane) {
+    using C = ScoreCoords<Transposed>;
+    const C at(row0, col0, lane);
+    HiddenBits<M, N> bits{};
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = (m * N + n) * 4 + e;
+                if (mask.user_hides(at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e)))
+                    bits.w[i / 32] |= 1u << (i % 32);
+            }
+    return bits;
+}
+
 // Sets to -inf the scores of a fragment (ScoreCoords) that the mask hides (the user's
-// mask_mod too). exp2 of -inf is exactly 0, so the softmax and the gradients need nothing else.
-template <bool Transposed, typename V, typename Params, int M, int N>
+// mask_mod too: user_hides(element index, query, key), by default the snippet itself).
+// exp2 of -inf is exactly 0, so the softmax and the gradients need nothing else.
+template <bool Transposed, typename V, typename Params, int M, int N, typename UserHides>
 __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, Params>& mask, int row0, int col0,
-                                            int lane) {
+                                            int lane, const UserHides& user_hides) {
     using C = ScoreCoords<Transposed>;
     const C at(row0, col0, lane);
     const int shift = mask.seqlen_k() - mask.seqlen_q();
@@ -123,7 +151,13 @@ __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, P
             for (int e = 0; e < 4; ++e) {
                 const int ddiff = C::ddiff(m, n, e);
                 if ((V::Band && ddiff > diff_hi) || C::dkey(m, n, e) >= key_hi || (V::Local && ddiff < diff_lo) ||
-                    mask.user_hides(at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e)))
+                    user_hides((m * N + n) * 4 + e, at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e)))
                     s[m][n][e] = neg_inf();
             }
+}
+template <bool Transposed, typename V, typename Params, int M, int N>
+__device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, Params>& mask, int row0, int col0,
+                                            int lane) {
+    mask_scores<Transposed>(s, mask, row0, col0, lane,
+                            [&](int, int query, int key) { return mask.user_hides(query, key); });
 }
