@@ -106,8 +106,8 @@ struct ScoreCoords {
 
 // The user's mask_mod over a fragment's elements (ScoreCoords), one bit each (element e of tile
 // (m, n) at bit (m N + n) 4 + e): set where it hides the element. Made apart from the scores, so
-// that a kernel can run the snippet (and wait for its array reads, from L2 where shared memory
-// leaves L1 little room) while the tensor cores still make them.
+// that a kernel can run the snippet (and wait for its array reads) while the tensor cores still
+// make them.
 template <int M, int N>
 struct HiddenBits {
     u32 w[(M * N * 4 + 31) / 32];
