@@ -229,17 +229,24 @@ __device__ __forceinline__ void issue_scores_t(float (&st)[N], float (&dpt)[N], 
 // queries from q0), through the score modifier and, where `masked`, the mask; each tile's four
 // probabilities go to sink(nt, pv), and st becomes dS^T's factor: P^T times the modifier's
 // gradient. lse_of(nt, j): lse (log2 units) of the thread's query column nt * 8 + 2t + j.
-template <typename V, int NT, typename LseOf, typename Sink>
+// hidden: a user mask_mod's verdicts on the step (HiddenBits from its first n8 tile), or null
+// (the mask runs the snippet itself); bit0: this fragment's first element there.
+template <typename V, int NT, typename LseOf, typename Sink, typename Hidden = HiddenBits<1, 1>>
 __device__ __forceinline__ void probs_t(float (&st)[1][NT][4], const ScoreMod<V, BwdParams>& mod,
                                         const Mask<V, BwdParams>& mask, bool masked, int key0, int q0, int lane,
-                                        LseOf&& lse_of, Sink&& sink) {
+                                        LseOf&& lse_of, Sink&& sink, const Hidden* hidden = nullptr, int bit0 = 0) {
     if constexpr (V::Softcap) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[0][nt][e] = mod.held(st[0][nt][e]);
     }
-    if (masked) mask_scores<true>(st, mask, key0, q0, lane);
+    if (masked) {
+        if (hidden)
+            mask_scores<true>(st, mask, key0, q0, lane, [&](int i, int, int) { return (*hidden)(bit0 + i); });
+        else
+            mask_scores<true>(st, mask, key0, q0, lane);
+    }
     using C = ScoreCoords<true>;
     const float dist0 = mod.dist0(C(key0, q0, lane));
 #pragma unroll
@@ -338,6 +345,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // all the queries x half the head dim.
     constexpr int Bc = 128, Stages = 2, Consumers = 256;
     constexpr bool QSplit = Br == 128, DqT = Br == 80;
+    // A user mask_mod (without a user score_mod, whose step masks on its own) runs on a step's
+    // elements while its products run, not between S^T's landing and the probabilities.
+    constexpr bool EarlyVerdicts = V::UserMask && !V::UserScore;
     constexpr int Halves = HeadDim / 64, Sub = 64 * 64, QChunk = Br * 64, NT = Br / 8, DT = HeadDim / 8;
     constexpr int DQ_N = QSplit ? HeadDim : HeadDim / 2;   // the warpgroup's dQ columns
     // A warp's dQ stage (floats): 16 rows x DQ_N, or DqT 16 columns x Br queries, n8 tiles of
@@ -440,6 +450,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
         issue_scores_t<Elem, Halves, QChunk>(st_flat, dpt_flat, myK, myV, bQ, bdO, 0);
         if (g > 0) push_dq();   // the step before's, behind this step's products
+        // A user mask_mod's verdicts on the step, made while its products run (as the forward's).
+        HiddenBits<1, NT> hidden;
+        if constexpr (EarlyVerdicts)
+            if (masked) hidden = user_hidden_bits<true, 1, NT>(mask, col0 + key_w, m0, lane);
 
         // The (lse, D) pairs of the thread's query columns nt * 8 + 2t + j.
         auto stat = [&](int nt, int j) { return sstat[buf][nt * 8 + 2 * t + j]; };
@@ -506,7 +520,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
                         [&](int nt, const float (&pv)[4]) {
                             to_pa(nt, pv);
                             if (part > 0) ds_of(nt);
-                        });
+                        },
+                        EarlyVerdicts ? &hidden : nullptr, 4 * nt0);
                 if (part == 0) {   // the first part's P^T made while dP^T ran
                     wgmma_wait<0>();
                     wgmma_fence_operands(dpt_flat);
