@@ -255,6 +255,22 @@ def test_readme_decode_table_is_the_cited_run():
     assert (round(min(gather), 2), round(max(gather), 2)) == (lo, hi)
 
 
+def test_readme_decode_read_floor_is_the_cited_run():
+    """The read floor's fractions of copy (a graph of one read-only kernel over a case's K
+    and V) are the probe_decode run the sentence names, and the batch-1 8K one is below the
+    issue's 0.85."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    start = text.index("A graph of one kernel that only reads a cache's K and V")
+    sentence = text[start:text.index("Eager calls", start)]
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
+    floor = {(r["batch"], r["context"]): round(r["of_copy"], 2)
+             for r in json.loads((ROOT / path).read_text())["rows"] if r["kind"] == "read_floor"}
+    figures = re.search(r"reaches ([\d.]+) of copy at batch 1 x 8K, ([\d.]+) at 32K and ([\d.]+) at batch 8 x 8K",
+                        sentence).groups()
+    assert tuple(float(x) for x in figures) == (floor[1, 8192], floor[1, 32768], floor[8, 8192])
+    assert floor[1, 8192] < 0.85
+
+
 def test_readme_host_time_figures_are_the_cited_runs():
     """The repeated calls' host times (afresh -> repeated, median us) are probe_host's rows of
     the JSONs the paragraph names."""
