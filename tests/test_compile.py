@@ -143,7 +143,8 @@ def test_serialized_wgmma_fails_the_compile_check(monkeypatch):
 # User mods: kernels with a snippet are compiled per snippet at run time (their tile is the
 # largest without local memory, checked then); the table's "user" tiles, their fallback, must
 # compile clean for the README's kind of rules: a relative-position bias with its table's
-# gradient, and a document mask.
+# gradient, and a document mask (alone too: the Hopper kernels then make its verdicts beside
+# the products, in registers of their own).
 def _user_mod_names(score, mask, arch):
     import numpy as np
     from cupyflash import _spec, mods
@@ -190,7 +191,7 @@ def _user_mod_names(score, mask, arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("score,mask", [(True, False), (True, True)], ids=["score", "both"])
+@pytest.mark.parametrize("score,mask", [(True, False), (False, True), (True, True)], ids=["score", "mask", "both"])
 def test_user_mod_kernels_compile_without_local_memory(arch, score, mask):
     text, names = _user_mod_names(score, mask, arch)
     jobs = [(f, sorted(set(ns))) for f, ns in names.items() if ns]
