@@ -229,12 +229,12 @@ __device__ __forceinline__ void issue_scores_t(float (&st)[N], float (&dpt)[N], 
 // queries from q0), through the score modifier and, where `masked`, the mask; each tile's four
 // probabilities go to sink(nt, pv), and st becomes dS^T's factor: P^T times the modifier's
 // gradient. lse_of(nt, j): lse (log2 units) of the thread's query column nt * 8 + 2t + j.
-// hidden: a user mask_mod's verdicts on the step (HiddenBits from its first n8 tile), or null
+// verdicts: a user mask_mod's verdicts on the step (HiddenBits from its first n8 tile), or null
 // (the mask runs the snippet itself); bit0: this fragment's first element there.
-template <typename V, int NT, typename LseOf, typename Sink, typename Hidden = HiddenBits<1, 1>>
+template <typename V, int NT, typename LseOf, typename Sink, typename Verdicts = HiddenBits<1, 1>>
 __device__ __forceinline__ void probs_t(float (&st)[1][NT][4], const ScoreMod<V, BwdParams>& mod,
                                         const Mask<V, BwdParams>& mask, bool masked, int key0, int q0, int lane,
-                                        LseOf&& lse_of, Sink&& sink, const Hidden* hidden = nullptr, int bit0 = 0) {
+                                        LseOf&& lse_of, Sink&& sink, const Verdicts* verdicts = nullptr, int bit0 = 0) {
     if constexpr (V::Softcap) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -242,8 +242,8 @@ __device__ __forceinline__ void probs_t(float (&st)[1][NT][4], const ScoreMod<V,
             for (int e = 0; e < 4; ++e) st[0][nt][e] = mod.held(st[0][nt][e]);
     }
     if (masked) {
-        if (hidden)
-            mask_scores<true>(st, mask, key0, q0, lane, [&](int i, int, int) { return (*hidden)(bit0 + i); });
+        if (verdicts)
+            mask_scores<true>(st, mask, key0, q0, lane, *verdicts, bit0);
         else
             mask_scores<true>(st, mask, key0, q0, lane);
     }

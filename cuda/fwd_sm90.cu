@@ -310,24 +310,27 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // full ones; benchmarks/NOTES.md). Not in the banded kernels at head dim 128, where
         // the bits' two registers spilled 4-20 bytes: there the mask runs the snippet inline.
         constexpr bool EarlyVerdicts = V::UserMask && (HeadDim != 128 || !V::Band);
+        // The position in the tile's list of the it-th block visited (ALiBi's from the pivot).
+        auto pos_of = [&](int it) {
+            if constexpr (V::Alibi) return kb.from_pivot(it, pivot);
+            else return it;
+        };
         HiddenBits<1, NT> hidden;
         auto user_verdicts = [&](int it) {
             if constexpr (EarlyVerdicts) {
-                int pos = it;
-                if constexpr (V::Alibi) pos = kb.from_pivot(it, pivot);
+                const int pos = pos_of(it);
                 if (kb.needs_mask<V>(pos, Bc))
                     hidden = user_hidden_bits<false, 1, NT>(mask, row0 + wrow, kb.block(pos) * Bc, lane);
             }
         };
         // The held scores of block `it` (landed in s): the score modifier and the mask.
         auto hold = [&](int it) {
-            int pos = it;
-            if constexpr (V::Alibi) pos = kb.from_pivot(it, pivot);
+            const int pos = pos_of(it);
             const int n0 = kb.block(pos) * Bc;
             mod.apply<false>(s, row0 + wrow, n0, lane);
             if (kb.needs_mask<V>(pos, Bc)) {
                 if constexpr (EarlyVerdicts)
-                    mask_scores<false>(s, mask, row0 + wrow, n0, lane, [&](int i, int, int) { return hidden(i); });
+                    mask_scores<false>(s, mask, row0 + wrow, n0, lane, hidden, 0);
                 else
                     mask_scores<false>(s, mask, row0 + wrow, n0, lane);
             }

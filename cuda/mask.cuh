@@ -161,3 +161,10 @@ __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, P
     mask_scores<Transposed>(s, mask, row0, col0, lane,
                             [&](int, int query, int key) { return mask.user_hides(query, key); });
 }
+// The same with the user mask_mod's verdicts read from `verdicts` (user_hidden_bits of a fragment
+// whose element `bit0` is this fragment's first) instead of running the snippet.
+template <bool Transposed, typename V, typename Params, int M, int N, int VM, int VN>
+__device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, Params>& mask, int row0, int col0,
+                                            int lane, const HiddenBits<VM, VN>& verdicts, int bit0) {
+    mask_scores<Transposed>(s, mask, row0, col0, lane, [&](int i, int, int) { return verdicts(bit0 + i); });
+}
