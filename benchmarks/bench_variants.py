@@ -144,6 +144,8 @@ def ours_keywords(rule, nheads, seqlen=None):
         return dict(dropout_p=DROPOUT_P, seed=0)
     if rule == "window":   # for ab_trees.py's cells; the window part here builds its own calls
         return dict(window_size=WINDOW)
+    if rule.startswith("window_"):   # window_LEFT_RIGHT, for ab_trees.py's cells
+        return dict(window_size=tuple(int(x) for x in rule.split("_")[1:]))
     return {}
 
 

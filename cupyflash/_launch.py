@@ -801,25 +801,47 @@ def sm90_bwd_keys(hd):
 # short calls pay more for than the 80-row products save (benchmarks/NOTES.md, twenty-fourth
 # session: 4K -2%, 8K +1.3%, 16K +2.5% against 64 rows).
 SM90_BWD_CAUSAL_80_FROM = 8192
+# Windows closed on both sides take 80-query steps where a key block's band spans this many
+# query rows or more (left + right + 1, at most seqlen_q): the steps' masked rows at both of
+# the band's ends, against the rows between them (benchmarks/NOTES.md, thirty-fifth session:
+# window (1024, 0) at 8K -1.8%, (2048, 0) +1.2%, (4096, 0) at 32K +3.4% against 64 rows). A window open
+# on one side has a causal call's shape and takes its rule.
+SM90_BWD_LOCAL_80_FROM = 2048
+
+
+def _band_takes_80(spec, seqlen_q):
+    left, right = spec.window
+    if left < 0 or right < 0:
+        return seqlen_q >= SM90_BWD_CAUSAL_80_FROM
+    return min(left + right + 1, seqlen_q) >= SM90_BWD_LOCAL_80_FROM
 
 
 def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, seqlen_q=0):
     """Query rows per step of the Hopper backward: 128 at head dim 64 (S^T and dP^T by wgmma
     with 128 queries); 64 at 256 (the wide kernel); at 128 (dK and dV take 128 registers) 80,
     fewer shared-memory bytes per FLOP with dQ made transposed (cuda/bwd_sm90.cu), for calls
-    without a band (or causal ones of ``SM90_BWD_CAUSAL_80_FROM`` query rows or more, not
-    packed), block mask, mask_mod or deterministic order, else 64.
+    without a band, causal ones of ``SM90_BWD_CAUSAL_80_FROM`` query rows or more and windows
+    of ``SM90_BWD_LOCAL_80_FROM`` rows or more (neither packed), without a block mask, mask_mod
+    or deterministic order, else 64.
     ALiBi in packed batches or causal calls keeps 64: at 80, ptxas serialized their wgmma for
     want of registers (a user score_mod's kernel is checked once compiled: ``sm90_bwd_step``).
     Without ``spec``: the rows of calls that cannot take 80."""
     if hd == 64:
         return 128
-    band_ok = spec is not None and (spec.window == _spec.NO_WINDOW or (
-        spec.causal and not spec.varlen and seqlen_q >= SM90_BWD_CAUSAL_80_FROM))
+    band_ok = spec is not None and (spec.window == _spec.NO_WINDOW
+                                    or (not spec.varlen and _band_takes_80(spec, seqlen_q)))
     wide_rows = (hd == 128 and band_ok and block_mask is None
                  and not deterministic and not spec.mask_mod
                  and not (spec.alibi and (spec.varlen or spec.causal)))
     return 80 if wide_rows else 64
+
+
+def sm90_bwd_rows_of_variant(hd, spec):
+    """Every step of ``sm90_bwd_rows`` that a call of ``spec``'s variant (its kernel's template
+    arguments) may take, at any length or window: for the kernels to compile."""
+    seqlen_q = max(SM90_BWD_CAUSAL_80_FROM, SM90_BWD_LOCAL_80_FROM)
+    wide = dataclasses.replace(spec, window=(seqlen_q, 0)) if spec.local else spec
+    return sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, wide, seqlen_q=seqlen_q)})
 
 
 def _bwd_sm90_name(spec, hd, rows):
@@ -1285,7 +1307,7 @@ def kernel_names(smem_limit, hopper=False):
             _bwd_sm90_name(spec, hd, rows)
             for d in TENSOR_CORE for hd in (64, 128, 256)
             for spec in (dataclasses.replace(s, dtype=d, headdim=hd) for s in variants if not s.dropout)
-            for rows in sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, spec, seqlen_q=SM90_BWD_CAUSAL_80_FROM)})]
+            for rows in sm90_bwd_rows_of_variant(hd, spec)]
     # The decode kernels: every band with softcap and ALiBi (no dropout), both cache layouts.
     names["decode.cu"] = [
         template_name("flash_decode_kernel", ELEM[d], hd, dataclasses.replace(s, seq=seq).variant())

@@ -454,6 +454,27 @@ def test_sm90_causal_backward_in_80_query_steps(case, dtype, request, monkeypatc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    (2, 250, 300, 4, 2, 128, dict(window_size=(100, 0))), (1, 300, 250, 2, 2, 96, dict(window_size=(37, 61), softcap=5.0)),
+    (1, 161, 400, 3, 1, 120, dict(window_size=(-1, 45), alibi=True)),
+    (2, 400, 90, 2, 1, 128, dict(window_size=(150, -1), softcap=4.0, alibi=True))],
+    ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(sorted(c[6])))
+def test_sm90_window_backward_in_80_query_steps(case, dtype, request, monkeypatch):
+    """The windowed backward's 80-query steps (wide bands and long calls only:
+    SM90_BWD_LOCAL_80_FROM, SM90_BWD_CAUSAL_80_FROM where a side is open) on narrow ones, the
+    thresholds lowered: steps that start before a key block's band and end past it or past
+    seqlen_q, each side open or closed, odd tails both ways, GQA, ALiBi, softcap."""
+    monkeypatch.setattr(_launch, "SM90_BWD_LOCAL_80_FROM", 1)
+    monkeypatch.setattr(_launch, "SM90_BWD_CAUSAL_80_FROM", 1)
+    b, sq, sk, h, hk, d, kw = case
+    spec = _spec.CallSpec.of(np.zeros((1, sq, h, d), np.float16), causal=False, window_size=kw["window_size"],
+                             softcap=kw.get("softcap", 0.0), alibi_slopes=np.ones(h) if kw.get("alibi") else None)
+    assert spec.local and _launch.sm90_bwd_rows(_launch.sm90_bwd_headdim(d), spec, seqlen_q=sq) == 80
+    test_sm90_backward_matches_the_reference(case, dtype, request)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d, family", [(64, "generic"), (128, "sm90")])
 def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     """A step of the Hopper backward is 128 queries x 128 keys at d = 64, 64 queries above: a
@@ -475,11 +496,18 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     (128, dict(alibi_slopes=np.ones(2), causal=True, seqlen_q=8192), 64),
     (128, dict(causal=True, seqlen_q=8192), 80), (96, dict(causal=True, softcap=5.0, seqlen_q=9000), 80),
     (128, dict(causal=True, seqlen_q=8191), 64), (128, dict(causal=True, seqlen_q=8192, seq=_spec.SEQ_PACKED), 64),
-    (128, dict(window_size=(100, 0), seqlen_q=8192), 64)])
+    (128, dict(window_size=(100, 0), seqlen_q=8192), 64), (128, dict(window_size=(2047, 0), seqlen_q=8192), 80),
+    (96, dict(window_size=(1024, 1023), alibi_slopes=np.ones(2), seqlen_q=4096), 80),
+    (128, dict(window_size=(1024, 1022), seqlen_q=4096), 64), (128, dict(window_size=(4096, 0), seqlen_q=2047), 64),
+    (128, dict(window_size=(4096, 0), seqlen_q=8192, seq=_spec.SEQ_PACKED), 64),
+    (128, dict(window_size=(4096, 0), seqlen_q=8192, block_mask=True), 64),
+    (128, dict(window_size=(-1, 100), seqlen_q=8192), 80), (128, dict(window_size=(100, -1), seqlen_q=8191), 64)])
 def test_the_hopper_backward_steps_80_queries_at_d128_without_a_band(d, kw, rows):
     """m64n80 products where nothing else needs the registers or 64-row steps (a band's
-    diagonal blocks, a block mask's lists, the deterministic counters), and causal calls from SM90_BWD_CAUSAL_80_FROM query rows on (``seqlen_q``;
-    shorter ones lose more to the masked rows of steps that do not start on the diagonal)."""
+    diagonal blocks, a block mask's lists, the deterministic counters), causal calls from SM90_BWD_CAUSAL_80_FROM query rows on (``seqlen_q``;
+    shorter ones lose more to the masked rows of steps that do not start on the diagonal), and
+    windows whose band spans SM90_BWD_LOCAL_80_FROM rows (both sides closed) or whose calls are
+    as long as causal ones (a side open)."""
     seqlen_q = kw.pop("seqlen_q", 256)
     q = np.zeros((1, 256, 2, d), np.float16)
     mask = cf.masks.sliding_window(256, 256, 1, block_size=128) if kw.pop("block_mask", False) else None
