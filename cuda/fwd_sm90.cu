@@ -80,6 +80,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr bool Speculate = Settled && HeadDim <= 128 && !V::Softcap;
     // The descriptors' two words joined (sm90.cuh) but at head dim 128.
     constexpr bool JoinedDesc = HeadDim != 128;
+    // ALiBi's bias (of an element's position alone) is written into S's accumulators before
+    // Q K^T is issued onto them, while the consumer waits for its turn, instead of being added
+    // to the scores between their landing and the softmax: 2-6% faster at head dims 128 and
+    // 256, 1% slower at 64 (benchmarks/NOTES.md). Not with softcap, whose bias follows the tanh.
+    constexpr bool BiasFirst = V::Alibi && !V::Softcap && HeadDim > 64;
     // A consumer walks only the key blocks its own rows see where a band cuts the tile's
     // blocks between its consumers: causal or windowed, with three consumers (192 rows on
     // 128-key blocks) or blocks narrower than 128 keys. Elsewhere (non-causal, or 128 rows on
@@ -228,7 +233,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         mbar_wait(&full[g % Stages], (g / Stages) & 1);
         return g % Stages;
     };
-    // S = Q K^T of key block g: the warpgroup's 64 rows x Bc keys, k16 steps over the head dim.
+    // S = Q K^T of key block g: the warpgroup's 64 rows x Bc keys, k16 steps over the head dim
+    // (BiasFirst: onto the bias already in s).
     auto issue_qk = [&](int g) {
         const int buf = landed(k_full, g);
         wgmma_fence();
@@ -237,7 +243,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
                 wgmma_ss<Elem>(sflat, sw128_desc<JoinedDesc>(myQ + c * SubQ, 32 * kk),
-                               sw128_desc<JoinedDesc>(sK + (buf * Halves + c) * SubKV, 32 * kk), c + kk > 0);
+                               sw128_desc<JoinedDesc>(sK + (buf * Halves + c) * SubKV, 32 * kk), BiasFirst || c + kk > 0);
         wgmma_commit();
     };
     // O += P V: V's rows are the keys (MN-major B), 16 keys = 2048 bytes of a sub-tile. One
@@ -323,11 +329,20 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                     hidden = user_hidden_bits<false, 1, NT>(mask, row0 + wrow, kb.block(pos) * Bc, lane);
             }
         };
+        // BiasFirst: block `it`'s bias into s, before its Q K^T is issued (the scores of the
+        // block before are packed as P by then).
+        auto bias_first = [&](int it) {
+            if constexpr (BiasFirst) {
+#pragma unroll
+                for (int i = 0; i < 4 * NT; ++i) sflat[i] = 0.f;
+                mod.apply<false>(s, row0 + wrow, kb.block(pos_of(it)) * Bc, lane);
+            }
+        };
         // The held scores of block `it` (landed in s): the score modifier and the mask.
         auto hold = [&](int it) {
             const int pos = pos_of(it);
             const int n0 = kb.block(pos) * Bc;
-            mod.apply<false>(s, row0 + wrow, n0, lane);
+            if constexpr (!BiasFirst) mod.apply<false>(s, row0 + wrow, n0, lane);
             if (kb.needs_mask<V>(pos, Bc)) {
                 if constexpr (EarlyVerdicts)
                     mask_scores<false>(s, mask, row0 + wrow, n0, lane, hidden, 0);
@@ -375,6 +390,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                             softmax.m[r] = m0[r];
                             softmax.l[r] = l0[r];
                         }
+                        bias_first(it);
                         issue_qk(g + it);
                         wgmma_wait<0>();
                         wgmma_fence_operands(sflat);
@@ -393,6 +409,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             float alpha[2];
             if (wg == Groups - 1 && !turns_started) named_bar_arrive(2, 256);
             turns_started = true;
+            bias_first(0);
             my_turn();
             issue_qk(g);
             hand_on();
@@ -402,6 +419,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             softmax_step(0, alpha);   // O is still zero: nothing to rescale
             pack_p();
             for (int it = 1; it < own; ++it) {
+                bias_first(it);
                 my_turn();
                 issue_qk(g + it);
                 issue_pv(g + it - 1);
