@@ -513,8 +513,8 @@ def test_readme_user_mod_speed_is_the_cited_run():
 
 def test_readme_planned_hopper_cells_are_open_in_the_cited_runs():
     """The Planned line's open Hopper cells are below target in the runs it names: backward
-    cells of the Hopper table's run (and no forward one), the forwards of softcap, causal ALiBi
-    and user score_mods over 1.10x plain attention's time,
+    cells of the Hopper table's run (and no forward one), the forwards of softcap and user
+    score_mods over 1.10x plain attention's time (ALiBi's, not named, within it),
     the window's backward over bench_variants' 1.30x of its causal share, every block-sparse
     pattern at 8K over density + 0.02 (forward or backward)."""
     text = (ROOT / "README.md").read_text()
@@ -532,7 +532,7 @@ def test_readme_planned_hopper_cells_are_open_in_the_cited_runs():
         return ms[(impl, rule, causal, "fwd")] / ms[("cupyflash", "plain", causal, "fwd")]
 
     assert min(over_plain("softcap", c) for c in (False, True)) > 1.10
-    assert over_plain("alibi", True) > 1.10
+    assert max(over_plain("alibi", c) for c in (False, True)) <= 1.10
     assert min(over_plain("user_alibi", c) for c in (False, True)) > 1.10
     (window,) = [r for r in v["config"]["ratios"] if r["what"].startswith("window") and " bwd " in r["what"]]
     assert window["ratio"] > window["target"]
