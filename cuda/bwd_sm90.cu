@@ -206,32 +206,45 @@ __device__ __forceinline__ void dq_turn_end(int* counter, int lane) {
 // S^T = K Q^T and dP^T = V dO^T for a warpgroup's 64 keys (its K and V sub-tiles from k and
 // v) and N queries (the accumulators' size: 2 N floats each; from q_row0 of the Q and dO
 // chunks at q and dout, QChunk elements apart), k16 steps over Chunks chunks of 64 columns;
-// two groups committed, S^T's first.
-template <typename Elem, int Chunks, int QChunk, int N>
+// two groups committed, S^T's first. StOnto: S^T is added onto what st holds (the bias).
+template <typename Elem, int Chunks, int QChunk, bool StOnto = false, int N>
 __device__ __forceinline__ void issue_scores_t(float (&st)[N], float (&dpt)[N], const u16* k, const u16* v,
                                                const u16* q, const u16* dout, int q_row0) {
     constexpr int Sub = 64 * 64;
-    auto issue = [&](float (&acc)[N], const u16* a, const u16* b) {
+    auto issue = [&](float (&acc)[N], const u16* a, const u16* b, bool onto) {
 #pragma unroll
         for (int c = 0; c < Chunks; ++c)
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
                 wgmma_ss<Elem>(acc, sw128_desc(a, 2 * c * Sub + 32 * kk), sw128_desc(b + 64 * q_row0, 2 * c * QChunk + 32 * kk),
-                               c + kk > 0);
+                               onto || c + kk > 0);
         wgmma_commit();
     };
     wgmma_fence();
-    issue(st, k, q);
-    issue(dpt, v, dout);
+    issue(st, k, q, StOnto);
+    issue(dpt, v, dout, false);
+}
+
+// ALiBi's bias of a warp's S^T fragment (keys from key0, queries from q0) into st, for K Q^T to
+// be issued onto it (the wide kernel's BiasFirst).
+template <typename V, int NT>
+__device__ __forceinline__ void bias_into_t(float (&st)[1][NT][4], const ScoreMod<V, BwdParams>& mod, int key0, int q0,
+                                            int lane) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[0][nt][e] = 0.f;
+    mod.template apply<true>(st, key0, q0, lane);
 }
 
 // P^T = exp2(S^T * mult - lse) of a warp's S^T fragment (n8 tiles of queries; keys from key0,
-// queries from q0), through the score modifier and, where `masked`, the mask; each tile's four
-// probabilities go to sink(nt, pv), and st becomes dS^T's factor: P^T times the modifier's
-// gradient. lse_of(nt, j): lse (log2 units) of the thread's query column nt * 8 + 2t + j.
+// queries from q0), through the score modifier (ALiBi's bias already in st where BiasIn)
+// and, where `masked`, the mask; each tile's four probabilities go to sink(nt, pv), and st
+// becomes dS^T's factor: P^T times the modifier's gradient. lse_of(nt, j): lse (log2 units)
+// of the thread's query column nt * 8 + 2t + j.
 // verdicts: a user mask_mod's verdicts on the step (HiddenBits from its first n8 tile), or null
 // (the mask runs the snippet itself); bit0: this fragment's first element there.
-template <typename V, int NT, typename LseOf, typename Sink, typename Verdicts = HiddenBits<1, 1>>
+template <bool BiasIn = false, typename V, int NT, typename LseOf, typename Sink, typename Verdicts = HiddenBits<1, 1>>
 __device__ __forceinline__ void probs_t(float (&st)[1][NT][4], const ScoreMod<V, BwdParams>& mod,
                                         const Mask<V, BwdParams>& mask, bool masked, int key0, int q0, int lane,
                                         LseOf&& lse_of, Sink&& sink, const Verdicts* verdicts = nullptr, int bit0 = 0) {
@@ -254,7 +267,7 @@ __device__ __forceinline__ void probs_t(float (&st)[1][NT][4], const ScoreMod<V,
         float pv[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float x = mod.bias_at(dist0, C::ddiff(0, nt, e), st[0][nt][e]);
+            const float x = BiasIn ? st[0][nt][e] : mod.bias_at(dist0, C::ddiff(0, nt, e), st[0][nt][e]);
             pv[e] = fast_exp2(fmaf(x, mod.mult(), -lse_of(nt, e & 1)));
             st[0][nt][e] = pv[e] * mod.grad(st[0][nt][e]);
         }
@@ -653,6 +666,11 @@ __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     constexpr int HeadDim = 256, Bc = 64, Br = 64, Stages = 2, Consumers = 256, Chunks = HeadDim / 64;
     constexpr int Sub = 64 * 64, QW = Br / 2, NT = QW / 8, DT = HeadDim / 2 / 8, DQ_COLS = 64;
+    // ALiBi's bias (of an element's position alone) goes into S^T's accumulators before K Q^T
+    // is issued onto them, as in the forward (fwd_sm90.cu), instead of being added between
+    // S^T's landing and the probabilities: 1.4-3.2% faster here; in the kernel above 2.4% slower
+    // to 1.2% faster (benchmarks/NOTES.md). Not with softcap, whose bias follows the tanh.
+    constexpr bool BiasFirst = V::Alibi && !V::Softcap;
     static_assert(!V::Dropout, "dropout runs the generic backward");
     const BwdParams& p = tp.base;
 
@@ -716,8 +734,9 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         float st[1][NT][4], dpt[1][NT][4];
         float(&st_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st);
         float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
+        if constexpr (BiasFirst) bias_into_t(st, mod, col0 + key_w, m0 + q_w, lane);
         mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
-        issue_scores_t<Elem, Chunks, Sub>(st_flat, dpt_flat, sK, sV, bQ, bdO, q_w);
+        issue_scores_t<Elem, Chunks, Sub, BiasFirst>(st_flat, dpt_flat, sK, sV, bQ, bdO, q_w);
         // The step before's Q and dO go back to the producer once the warp's adds from them
         // (the dQ stages) have read them: waited for here, behind this step's products.
         if (g > 0) {
@@ -749,7 +768,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
             wgmma_fence_operands(dpt_flat);
             user_probs_t(st, dpt, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, d_of, to_pt, to_dst);
         } else {
-            probs_t(st, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, to_pt);
+            probs_t<BiasFirst>(st, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, to_pt);
             wgmma_wait<0>();
             wgmma_fence_operands(dpt_flat);
 #pragma unroll
