@@ -243,7 +243,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
                 wgmma_ss<Elem>(sflat, sw128_desc<JoinedDesc>(myQ + c * SubQ, 32 * kk),
-                               sw128_desc<JoinedDesc>(sK + (buf * Halves + c) * SubKV, 32 * kk), BiasFirst || c + kk > 0);
+                               sw128_desc<JoinedDesc>(sK + (buf * Halves + c) * SubKV, 32 * kk),
+                               BiasFirst || c + kk > 0);
         wgmma_commit();
     };
     // O += P V: V's rows are the keys (MN-major B), 16 keys = 2048 bytes of a sub-tile. One

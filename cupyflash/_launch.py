@@ -804,8 +804,8 @@ SM90_BWD_CAUSAL_80_FROM = 8192
 # Windows closed on both sides take 80-query steps where a key block's band spans this many
 # query rows or more (left + right + 1, at most seqlen_q): the steps' masked rows at both of
 # the band's ends, against the rows between them (benchmarks/NOTES.md, thirty-fifth session:
-# window (1024, 0) at 8K -1.8%, (2048, 0) +1.2%, (4096, 0) at 32K +3.4% against 64 rows). A window open
-# on one side has a causal call's shape and takes its rule.
+# window (1024, 0) at 8K -1.8%, (2048, 0) +1.2%, (4096, 0) at 32K +3.4% against 64 rows).
+# A window open on one side has a causal call's shape and takes its rule.
 SM90_BWD_LOCAL_80_FROM = 2048
 
 

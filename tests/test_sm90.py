@@ -456,7 +456,8 @@ def test_sm90_causal_backward_in_80_query_steps(case, dtype, request, monkeypatc
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", [
-    (2, 250, 300, 4, 2, 128, dict(window_size=(100, 0))), (1, 300, 250, 2, 2, 96, dict(window_size=(37, 61), softcap=5.0)),
+    (2, 250, 300, 4, 2, 128, dict(window_size=(100, 0))),
+    (1, 300, 250, 2, 2, 96, dict(window_size=(37, 61), softcap=5.0)),
     (1, 161, 400, 3, 1, 120, dict(window_size=(-1, 45), alibi=True)),
     (2, 400, 90, 2, 1, 128, dict(window_size=(150, -1), softcap=4.0, alibi=True))],
     ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(sorted(c[6])))
