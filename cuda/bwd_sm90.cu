@@ -225,18 +225,6 @@ __device__ __forceinline__ void issue_scores_t(float (&st)[N], float (&dpt)[N], 
     issue(dpt, v, dout, false);
 }
 
-// ALiBi's bias of a warp's S^T fragment (keys from key0, queries from q0) into st, for K Q^T to
-// be issued onto it (the wide kernel's BiasFirst).
-template <typename V, int NT>
-__device__ __forceinline__ void bias_into_t(float (&st)[1][NT][4], const ScoreMod<V, BwdParams>& mod, int key0, int q0,
-                                            int lane) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[0][nt][e] = 0.f;
-    mod.template apply<true>(st, key0, q0, lane);
-}
-
 // P^T = exp2(S^T * mult - lse) of a warp's S^T fragment (n8 tiles of queries; keys from key0,
 // queries from q0), through the score modifier (ALiBi's bias already in st where BiasIn)
 // and, where `masked`, the mask; each tile's four probabilities go to sink(nt, pv), and st
@@ -666,11 +654,11 @@ __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     constexpr int HeadDim = 256, Bc = 64, Br = 64, Stages = 2, Consumers = 256, Chunks = HeadDim / 64;
     constexpr int Sub = 64 * 64, QW = Br / 2, NT = QW / 8, DT = HeadDim / 2 / 8, DQ_COLS = 64;
-    // ALiBi's bias (of an element's position alone) goes into S^T's accumulators before K Q^T
-    // is issued onto them, as in the forward (fwd_sm90.cu), instead of being added between
-    // S^T's landing and the probabilities: 1.4-3.2% faster here; in the kernel above 2.4% slower
-    // to 1.2% faster (benchmarks/NOTES.md). Not with softcap, whose bias follows the tanh.
-    constexpr bool BiasFirst = V::Alibi && !V::Softcap;
+    // ALiBi's bias (ScoreMod::positional) goes into S^T's accumulators before K Q^T is issued
+    // onto them, as in the forward (fwd_sm90.cu), instead of being added between S^T's landing
+    // and the probabilities: 1.4-3.2% faster here; in the kernel above 2.4% slower to 1.2%
+    // faster (benchmarks/NOTES.md).
+    constexpr bool BiasFirst = ScoreMod<V, BwdParams>::positional();
     static_assert(!V::Dropout, "dropout runs the generic backward");
     const BwdParams& p = tp.base;
 
@@ -734,7 +722,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         float st[1][NT][4], dpt[1][NT][4];
         float(&st_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st);
         float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
-        if constexpr (BiasFirst) bias_into_t(st, mod, col0 + key_w, m0 + q_w, lane);
+        if constexpr (BiasFirst) mod.bias_into<true>(st, col0 + key_w, m0 + q_w, lane);
         mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
         issue_scores_t<Elem, Chunks, Sub, BiasFirst>(st_flat, dpt_flat, sK, sV, bQ, bdO, q_w);
         // The step before's Q and dO go back to the producer once the warp's adds from them

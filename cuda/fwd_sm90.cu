@@ -80,11 +80,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr bool Speculate = Settled && HeadDim <= 128 && !V::Softcap;
     // The descriptors' two words joined (sm90.cuh) but at head dim 128.
     constexpr bool JoinedDesc = HeadDim != 128;
-    // ALiBi's bias (of an element's position alone) is written into S's accumulators before
-    // Q K^T is issued onto them, while the consumer waits for its turn, instead of being added
-    // to the scores between their landing and the softmax: 2-6% faster at head dims 128 and
-    // 256, 1% slower at 64 (benchmarks/NOTES.md). Not with softcap, whose bias follows the tanh.
-    constexpr bool BiasFirst = V::Alibi && !V::Softcap && HeadDim > 64;
+    // ALiBi's bias (ScoreMod::positional) is written into S's accumulators before Q K^T is
+    // issued onto them, while the consumer waits for its turn, instead of being added to the
+    // scores between their landing and the softmax: 2-6% faster at head dims 128 and 256, 1%
+    // slower at 64 (benchmarks/NOTES.md).
+    constexpr bool BiasFirst = ScoreMod<V, FwdParams>::positional() && HeadDim > 64;
     // A consumer walks only the key blocks its own rows see where a band cuts the tile's
     // blocks between its consumers: causal or windowed, with three consumers (192 rows on
     // 128-key blocks) or blocks narrower than 128 keys. Elsewhere (non-causal, or 128 rows on
@@ -333,11 +333,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // BiasFirst: block `it`'s bias into s, before its Q K^T is issued (the scores of the
         // block before are packed as P by then).
         auto bias_first = [&](int it) {
-            if constexpr (BiasFirst) {
-#pragma unroll
-                for (int i = 0; i < 4 * NT; ++i) sflat[i] = 0.f;
-                mod.apply<false>(s, row0 + wrow, kb.block(pos_of(it)) * Bc, lane);
-            }
+            if constexpr (BiasFirst) mod.bias_into<false>(s, row0 + wrow, kb.block(pos_of(it)) * Bc, lane);
         };
         // The held scores of block `it` (landed in s): the score modifier and the mask.
         auto hold = [&](int it) {

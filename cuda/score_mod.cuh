@@ -98,6 +98,11 @@ struct ScoreMod {
         return V::Alibi ? fmaf(bias, fabsf(dist0 + static_cast<float>(ddiff)), held_value) : held_value;
     }
 
+    // The modifier is a bias of the element's position alone (ALiBi without softcap, whose bias
+    // follows the tanh): a kernel may write it into S's accumulators before the product is
+    // issued onto them (bias_into), off the chain between S's landing and the softmax.
+    static __host__ __device__ constexpr bool positional() { return V::Alibi && !V::Softcap; }
+
     // Held values plus bias for a fragment of raw scores (the forward: nothing needs t after),
     // or the user's score_mod of them.
     template <bool Transposed, int M, int N>
@@ -116,6 +121,19 @@ struct ScoreMod {
                             ? user_score(s[m][n][e], at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e))
                             : bias_at(d0, C::ddiff(m, n, e), held(s[m][n][e]));
         }
+    }
+
+    // The positional bias alone of a fragment's elements, into s.
+    template <bool Transposed, int M, int N>
+    __device__ __forceinline__ void bias_into(float (&s)[M][N][4], int row0, int col0, int lane) const {
+        static_assert(positional(), "a bias of the position alone");
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int n = 0; n < N; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[m][n][e] = 0.f;
+        apply<Transposed>(s, row0, col0, lane);
     }
 };
 
