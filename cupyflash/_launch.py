@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _compile, _config, _driver, _spec, _tma
+from . import _arrays, _compile, _config, _driver, _spec, _tma, mods
 from ._compile import get_kernel, template_name
 
 
@@ -734,15 +734,45 @@ def sm90_fwd_keys(spec, block_mask):
 def sm90_fwd_groups(spec, block_mask):
     """Consumer warpgroups of the Hopper forward (64 query rows each; cuda/fwd_sm90.cu's
     Groups): three at head dim 64, where one warpgroup's softmax takes as long as its products,
-    except with a block mask (192-row tiles divide no mask block), softcap or user mods (their
-    registers do not fit the 160 a third consumer leaves); else two."""
-    plain = block_mask is None and not (spec.softcap or spec.user_mods)
+    except with a block mask (192-row tiles divide no mask block; a mask_mod comes with one)
+    or softcap (its registers do not fit the 160 a third consumer leaves); else two. A user
+    score_mod's three-consumer kernel is checked at the call (``sm90_fwd_call_tile``)."""
+    plain = block_mask is None and not spec.softcap
     return 3 if sm90_headdim(spec.headdim) == 64 and plain else 2
 
 
 def sm90_fwd_tile(spec, block_mask):
     """(Groups, Keys) of the Hopper forward's kernel for this call."""
     return sm90_fwd_groups(spec, block_mask), sm90_fwd_keys(spec, block_mask)
+
+
+def _sm90_fwd_name(spec, hd, groups, keys):
+    return template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant(), groups, keys)
+
+
+def sm90_fwd_call_tile(spec, block_mask):
+    """``sm90_fwd_tile``, except for a user score_mod at head dim 64: three consumers where
+    its snippet reads no memory per score (``mods.gathers``) and its three-consumer kernel,
+    compiled and loaded first, has the registers it needs (``_short_of_registers``), else
+    two. On the H200 three measured 5-15% faster for a score_mod of ALiBi's, and 10% slower
+    for a table lookup per score in causal calls (equal in others; benchmarks/NOTES.md)."""
+    groups, keys = sm90_fwd_tile(spec, block_mask)
+    if groups == 3 and spec.score_mod and (mods.gathers(spec.user_mods) or _short_of_registers(
+            "fwd_sm90.cu", spec, _sm90_fwd_name(spec, sm90_headdim(spec.headdim), groups, keys))):
+        groups = 2
+    return groups, keys
+
+
+def _short_of_registers(filename, spec, name):
+    """Whether a Hopper kernel of a call's user mods (compiled and loaded for the current
+    device) has local memory or had its wgmma serialized by ptxas: it would run, slower than
+    a kernel of another shape."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+    code, arch = _compile.source(filename, spec.user_mods), _compile.ARCH_SPECIFIC[filename]
+    kernel = _compile.get_arch_kernel(cupy.cuda.Device().id, code, name, arch)
+    return bool(driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.ptr)
+                or _compile.wgmma_serialized(code, name, arch))
 
 
 def sm90_fwd_smem(hd, groups, keys):
@@ -858,15 +888,9 @@ def sm90_bwd_step(spec, block_mask, deterministic, seqlen_q):
     ``_user_tile`` picks the generic kernels' tiles."""
     hd = sm90_bwd_headdim(spec.headdim)
     rows = sm90_bwd_rows(hd, spec, block_mask, deterministic, seqlen_q)
-    if rows == 80 and spec.score_mod:
-        import cupy
-        from cupy_backends.cuda.api import driver
-        code, name = _compile.source("bwd_sm90.cu", spec.user_mods), _bwd_sm90_name(spec, hd, rows)
-        arch = _compile.ARCH_SPECIFIC["bwd_sm90.cu"]
-        kernel = _compile.get_arch_kernel(cupy.cuda.Device().id, code, name, arch)
-        if (driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.ptr)
-                or _compile.wgmma_serialized(code, name, arch)):
-            return 64
+    if rows == 80 and spec.score_mod and _short_of_registers("bwd_sm90.cu", spec,
+                                                             _bwd_sm90_name(spec, hd, rows)):
+        return 64
     return rows
 
 
@@ -971,7 +995,7 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
     b, sq, sk = _dims(q, k, packed)
     h = q.shape[2]
     hd = sm90_headdim(spec.headdim)
-    groups, keys = sm90_fwd_tile(spec, block_mask)
+    groups, keys = sm90_fwd_call_tile(spec, block_mask)
     rows = 64 * groups
     if block_mask is not None:
         _fill_lists(p, block_mask, rows, keys, spec.causal, kv=True, q=False)
@@ -990,7 +1014,7 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
         counter = zeros((), np.int32)
         tp["counter"] = counter.data.ptr
         blocks = min(blocks, _sm_count())
-    name = template_name("flash_fwd_sm90_kernel", ELEM[spec.dtype], hd, spec.variant(), groups, keys)
+    name = _sm90_fwd_name(spec, hd, groups, keys)
     _launch("fwd_sm90.cu", name, (blocks, 1, 1), 128 * (groups + 1), sm90_fwd_smem(hd, groups, keys),
             tp[()], spec.user_mods)
 

@@ -309,6 +309,38 @@ def check_prelude(text):
     raise SnippetError(_snippet_message(log), log)
 
 
+# A score_mod at sixteen coordinates apart in one thread, as a kernel's score step asks it.
+_GATHER_PROBE = """
+extern "C" __global__ void cupyflash_gather_probe(const UserParams u, float* out, int q_idx, int kv_idx) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < GATHER_PROBES; ++i) s += UserMods::score<float>(u, 1.f, 0, 0, q_idx + i, kv_idx + 3 * i);
+    out[0] = s;
+}
+"""
+GATHER_PROBES = 16
+_LOAD = re.compile(r"^\s*(@%p\d+\s+)?ld\.(?!param)", re.M)
+
+
+@functools.lru_cache(maxsize=256)
+def gathers(text):
+    """Whether the score_mod of a ``prelude`` text reads memory per score (a table lookup at
+    an offset of q_idx and kv_idx), rather than once for all of a thread's scores (a slope per
+    head) or not at all: the loads in the PTX of GATHER_PROBES calls at distinct coordinates
+    (one thread; loads of one address merge), at least one a call. NVRTC alone, no GPU."""
+    from cupy_backends.cuda.libs import nvrtc
+    from . import _compile
+    src = f"#define GATHER_PROBES {GATHER_PROBES}\n" + _compile.source("user.cuh", text) + _GATHER_PROBE
+    prog = nvrtc.createProgram(src, "cupyflash-user-mods", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_compile.NVRTC_OPTIONS) + ["-arch=compute_90"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    return len(_LOAD.findall(ptx)) >= GATHER_PROBES
+
+
 def _snippet_message(log):
     """NVRTC's errors, and where in the snippets they come from (their own line numbers)."""
     names = (SCORE_FILE, GRAD_FILE, MASK_FILE)

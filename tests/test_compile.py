@@ -179,11 +179,12 @@ def _user_mod_names(score, mask, arch):
                                "generic_bwd_dkdv_kernel"):
                     names["generic.cu"].append(template_name(kernel, elem, hd,
                                                              spec.variant(band_at_run_time=True)))
-        # The Hopper kernels run user mods on sm_90 at every head dim (one per kernel shape).
+        # The Hopper kernels run user mods on sm_90 at every head dim (one per kernel shape;
+        # a score_mod's three-consumer forward and its two-consumer fallback at 64).
         for hd in (64, 128, 256) if arch == "sm_90" else ():
-            names["fwd_sm90.cu"].append(template_name(
-                "flash_fwd_sm90_kernel", "fp16", hd, variant,
-                *_launch.sm90_fwd_tile(dataclasses.replace(spec, headdim=hd), "mask" if mask else None)))
+            groups, keys = _launch.sm90_fwd_tile(dataclasses.replace(spec, headdim=hd), "mask" if mask else None)
+            for g in sorted({groups, 2}):
+                names["fwd_sm90.cu"].append(template_name("flash_fwd_sm90_kernel", "fp16", hd, variant, g, keys))
             names["bwd_sm90.cu"].append(
                 template_name("flash_bwd_sm90_wide_kernel", "fp16", variant) if hd == 256 else
                 template_name("flash_bwd_sm90_kernel", "fp16", hd, _launch.sm90_bwd_rows(hd), variant))

@@ -505,6 +505,24 @@ def test_snippets_that_compile_pass_the_check():
     assert mods.check_prelude(mods.prelude(body, doc_mod(doc[None].repeat(2, 0))))
 
 
+@pytest.mark.parametrize("code,gathers", [
+    ("score - slopes[h] * fabsf((float)(q_idx - kv_idx))", False),
+    ("score - 0.5f", False),
+    ("score + slopes[h] + slopes[0]", False),
+    ("score + bias(h, kv_idx - q_idx + 4)", True),
+    ("score + bias(min(max(kv_idx - q_idx, -2), 2) + 2, h)", True),
+    ("doc[q_idx] == doc[kv_idx] ? score : score - 1.f", True),
+])
+def test_score_mods_that_read_a_table_per_score_are_told_from_the_rest(code, gathers):
+    """mods.gathers: loads per score in the snippet's PTX (the Hopper forward's head dim 64
+    takes two consumers for such a snippet, _launch.sm90_fwd_call_tile)."""
+    _nvrtc_or_skip()
+    arrays = {"slopes": np.zeros(4, np.float32), "bias": np.zeros((5, 9), np.float32),
+              "doc": np.zeros(16, np.int32)}
+    sm = cf.ScoreMod(code, arrays={n: a for n, a in arrays.items() if n in code})
+    assert mods.gathers(mods.prelude(sm, None)) == gathers
+
+
 def test_undeclared_gradient_array_is_refused():
     """d_bias exists only for arrays named in grad_arrays."""
     _nvrtc_or_skip()

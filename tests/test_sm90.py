@@ -356,16 +356,42 @@ def test_hopper_forward_shared_memory_fits_sm90():
 
 @pytest.mark.parametrize("d, kw, groups", [
     (64, {}, 3), (40, dict(causal=True, alibi=True), 3), (64, dict(softcap=2.0), 2),
-    (64, dict(block_mask=True), 2), (128, {}, 2), (256, {}, 2)])
+    (64, dict(block_mask=True), 2), (64, dict(score_mod=True), 3), (128, {}, 2), (256, {}, 2)])
 def test_hopper_forward_takes_three_consumers_at_d64(d, kw, groups):
     """192-row tiles (three consumer warpgroups) at head dim 64, except where a block mask's
-    128-row blocks or softcap's registers need the two-consumer kernel."""
+    128-row blocks or softcap's registers need the two-consumer kernel (a user score_mod's:
+    checked at the call, below)."""
     kw = dict(kw)
     mask = cf.masks.causal(256, 256) if kw.pop("block_mask", False) else None
     q = np.zeros((1, 256, 2, d), np.float16)
     alibi = np.ones(2, np.float32) if kw.pop("alibi", False) else None
-    spec = _spec.CallSpec.of(q, causal=kw.pop("causal", False), alibi_slopes=alibi, block_mask=mask, **kw)
+    score_mod = cf.ScoreMod("score") if kw.pop("score_mod", False) else None
+    spec = _spec.CallSpec.of(q, causal=kw.pop("causal", False), alibi_slopes=alibi, block_mask=mask,
+                             score_mod=score_mod, **kw)
     assert _launch.sm90_fwd_groups(spec, mask) == groups
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("rule, groups", [
+    ("score - slopes[h] * fabsf((float)(q_idx - kv_idx))", 3), ("score - 0.5f", 3),
+    ("score + bias[bias.offset(h, kv_idx - q_idx + 512)]", 2),
+    ("score + rel(min(max(q_idx - kv_idx, -64), 64) + 64, h)", 2)],
+    ids=["alibi", "constant", "table", "clamped-table"])
+def test_user_score_mod_at_d64_takes_three_consumers_where_it_reads_no_table(rule, groups, causal):
+    """A user score_mod at head dim 64 runs on three consumers where it reads no memory per
+    score and its three-consumer kernel compiles without local memory; a table lookup per
+    score takes two (the first also spills with three)."""
+    import cupy
+    from cupyflash import mods
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    arrays = {"slopes": np.zeros(4, np.float32), "bias": np.zeros((4, 1024), np.float32),
+              "rel": np.zeros((129, 4), np.float32)}
+    sm = cf.ScoreMod(rule, arrays={n: a for n, a in arrays.items() if n in rule})
+    q = np.zeros((1, 256, 4, 64), np.float16)
+    spec = _spec.CallSpec.of(q, causal=causal, score_mod=sm, user_mods=mods.prelude(sm, None))
+    assert _launch.sm90_fwd_call_tile(spec, None) == (groups, 128)
 
 
 @pytest.mark.gpu
