@@ -102,6 +102,11 @@ struct ScoreCoords {
     static __host__ __device__ constexpr int ddiff(int m, int n, int e) {
         return Transposed ? m * 16 + (e & 2) * 4 - n * 8 - (e & 1) : n * 8 + (e & 1) - m * 16 - (e & 2) * 4;
     }
+    // The largest key and query offsets of an M x N fragment's elements.
+    template <int M, int N>
+    static __host__ __device__ constexpr int max_dkey() { return dkey(M - 1, N - 1, 3); }
+    template <int M, int N>
+    static __host__ __device__ constexpr int max_dquery() { return dquery(M - 1, N - 1, 3); }
 };
 
 // The user's mask_mod over a fragment's elements (ScoreCoords), one bit each (element e of tile

@@ -57,12 +57,22 @@ struct ScoreMod {
     // The user's score_mod of a raw q.k at (query, key), and d loss / d (q.k * scale) from
     // d loss / d its result (adding to the arrays' gradients where `accumulate`). Coordinates
     // are clamped into the sequences as in Mask::user_hides.
+    template <bool Clamp = true>
     __device__ __forceinline__ float user_score(float raw, int query, int key) const {
-        return V::Mods::score(p.user, raw * p.mod.scale, b, h, min(query, lens.q(p) - 1), min(key, lens.k(p) - 1));
+        return V::Mods::score(p.user, raw * p.mod.scale, b, h, Clamp ? min(query, lens.q(p) - 1) : query,
+                              Clamp ? min(key, lens.k(p) - 1) : key);
     }
     __device__ __forceinline__ float user_grad(float raw, float dscore, int query, int key, bool accumulate) const {
         return V::Mods::grad(p.user, raw * p.mod.scale, dscore, b, h, min(query, lens.q(p) - 1),
                              min(key, lens.k(p) - 1), accumulate, grads);
+    }
+    // Whether all of a thread's elements of an M x N fragment lie in the sequences: their
+    // coordinates then need no clamp (user_score<false>), and their offsets fold into the
+    // snippet's arithmetic (benchmarks/NOTES.md).
+    template <bool Transposed, int M, int N>
+    __device__ __forceinline__ bool inside(const ScoreCoords<Transposed>& at) const {
+        using C = ScoreCoords<Transposed>;
+        return at.query0() + C::template max_dquery<M, N>() < lens.q(p) && at.key0 + C::template max_dkey<M, N>() < lens.k(p);
     }
     // The running sums to memory, after the thread's last user_grad.
     __device__ __forceinline__ void flush_grads() const {
@@ -103,11 +113,31 @@ struct ScoreMod {
     // issued onto them (bias_into), off the chain between S's landing and the softmax.
     static __host__ __device__ constexpr bool positional() { return V::Alibi && !V::Softcap; }
 
+    // The user's score_mod over a fragment; its coordinates clamped into the sequences or not.
+    template <bool Clamp, bool Transposed, int M, int N>
+    __device__ __forceinline__ void user_apply(float (&s)[M][N][4], const ScoreCoords<Transposed>& at) const {
+        using C = ScoreCoords<Transposed>;
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int n = 0; n < N; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[m][n][e] = user_score<Clamp>(s[m][n][e], at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e));
+    }
+
     // Held values plus bias for a fragment of raw scores (the forward: nothing needs t after),
-    // or the user's score_mod of them.
+    // or the user's score_mod of them (unclamped inside the sequences: all but the tiles at
+    // their ends).
     template <bool Transposed, int M, int N>
     __device__ __forceinline__ void apply(float (&s)[M][N][4], int row0, int col0, int lane) const {
-        if constexpr (V::UserScore || V::Softcap || V::Alibi) {
+        if constexpr (V::UserScore) {
+            const ScoreCoords<Transposed> at(row0, col0, lane);
+            if (inside<Transposed, M, N>(at))
+                user_apply<false>(s, at);
+            else
+                user_apply<true>(s, at);
+        } else if constexpr (V::Softcap || V::Alibi) {
             using C = ScoreCoords<Transposed>;
             const C at(row0, col0, lane);
             const float d0 = dist0(at);
@@ -116,10 +146,7 @@ struct ScoreMod {
 #pragma unroll
                 for (int n = 0; n < N; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[m][n][e] = V::UserScore
-                            ? user_score(s[m][n][e], at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e))
-                            : bias_at(d0, C::ddiff(m, n, e), held(s[m][n][e]));
+                    for (int e = 0; e < 4; ++e) s[m][n][e] = bias_at(d0, C::ddiff(m, n, e), held(s[m][n][e]));
         }
     }
 
