@@ -475,7 +475,7 @@ def test_readme_user_mod_speed_is_the_cited_run():
     text = (ROOT / "README.md").read_text()
     start = text.index("- **Speed** (H200, bf16, d=128, 8K; `benchmarks/bench_variants.py")
     bullet = " ".join(text[start:text.index("- **Adapters**", start)].split())
-    path, grads_path, doc_path = re.findall(r"`(benchmarks/results/[^`]+\.json)`", bullet)
+    path, costs_path, grads_path, before_path, doc_path = re.findall(r"`(benchmarks/results/[^`]+\.json)`", bullet)
 
     def rows(path):
         return json.loads((ROOT / path).read_text())["rows"]
@@ -491,6 +491,15 @@ def test_readme_user_mod_speed_is_the_cited_run():
     alibi = {p: [ours("user_alibi", c, p) / ours("alibi", c, p) for c in (False, True)] for p in ("fwd", "bwd")}
     assert (f"a score_mod spelling ALiBi takes {_spread(alibi['fwd'], '.2f')}x the built-in's forward time and "
             f"{_spread(alibi['bwd'], '.2f')}x its backward") in bullet
+    # A snippet that does nearly nothing, over plain attention at d=128 (the best of the
+    # probe's rounds each).
+    costs = rows(costs_path)
+
+    def best(rule, causal):
+        return min(r["ms"] for r in costs if (r["rule"], r["d"], r["causal"]) == (rule, 128, causal))
+    const = [best("user_const", c) / best("plain", c) for c in (False, True)]
+    assert (f"a score_mod of `score - 0.5f` alone took {_spread(const, '.2f')}x plain attention's "
+            f"forward time") in bullet
     t5 = [ours("relative_bias", c, p) for c in (False, True) for p in ("fwd", "bwd")]
     assert (f"a T5 relative bias takes {t5[0]:.2f} / {t5[1]:.2f} ms forward / backward "
             f"(causal {t5[2]:.2f} / {t5[3]:.2f})") in bullet
@@ -500,7 +509,9 @@ def test_readme_user_mod_speed_is_the_cited_run():
     times = [t / g["cupyflash", "relative_bias", c, "bwd"]["ms"] for t, c in zip(table, (False, True))]
     assert (f"takes {table[0]:.2f} ms ({table[1]:.2f} causal), {_spread(times, '.2f')}x the one "
             f"without") in bullet
-    assert f"an atomic per score, before, took {ours('relative_bias_dtable', False, 'bwd'):.0f} ms" in bullet
+    (before,) = [r["ms"] for r in rows(before_path)
+                 if (r["impl"], r["rule"], r["causal"], r["pass"]) == ("cupyflash", "relative_bias_dtable", False, "bwd")]
+    assert f"an atomic per score, before, took {before:.0f} ms" in bullet
     assert all("No valid triton configs. OutOfMemoryError" in g["flex", "relative_bias_dtable", c, "bwd"]["error"]
                for c in (False, True))
     # The document mask, ours and Flex's, from its own run.
