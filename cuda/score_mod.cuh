@@ -56,7 +56,8 @@ struct ScoreMod {
 
     // The user's score_mod of a raw q.k at (query, key), and d loss / d (q.k * scale) from
     // d loss / d its result (adding to the arrays' gradients where `accumulate`). Coordinates
-    // are clamped into the sequences as in Mask::user_hides.
+    // are clamped into the sequences as in Mask::user_hides (but by a caller that knows them
+    // inside: `inside`).
     template <bool Clamp = true>
     __device__ __forceinline__ float user_score(float raw, int query, int key) const {
         return V::Mods::score(p.user, raw * p.mod.scale, b, h, Clamp ? min(query, lens.q(p) - 1) : query,

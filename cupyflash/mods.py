@@ -327,7 +327,7 @@ def gathers(text):
     """Whether the score_mod of a ``prelude`` text reads memory per score (a table lookup at
     an offset of q_idx and kv_idx), rather than once for all of a thread's scores (a slope per
     head) or not at all: the loads in the PTX of GATHER_PROBES calls at distinct coordinates
-    (one thread; loads of one address merge), at least one a call. NVRTC alone, no GPU."""
+    (one thread; loads of one address merge), at least one per call. NVRTC alone, no GPU."""
     from cupy_backends.cuda.libs import nvrtc
     from . import _compile
     src = f"#define GATHER_PROBES {GATHER_PROBES}\n" + _compile.source("user.cuh", text) + _GATHER_PROBE
