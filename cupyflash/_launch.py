@@ -1323,9 +1323,9 @@ def kernel_names(smem_limit, hopper=False):
         # Each call's tile, without a block mask and with one (any mask: the rules ask only
         # whether there is one).
         names["fwd_sm90.cu"] = [
-            template_name("flash_fwd_sm90_kernel", ELEM[d], hd, spec.variant(), *tile)
+            _sm90_fwd_name(spec, hd, *tile)
             for d in TENSOR_CORE for hd in sorted({sm90_headdim(b) for b in _config.HEAD_DIM_BUCKETS})
-            for spec in (dataclasses.replace(s, headdim=hd) for s in variants if not s.dropout)
+            for spec in (dataclasses.replace(s, dtype=d, headdim=hd) for s in variants if not s.dropout)
             for tile in sorted({sm90_fwd_tile(spec, None)} | ({sm90_fwd_tile(spec, "mask")} if not spec.varlen else set()))]
         names["bwd_sm90.cu"] = [
             _bwd_sm90_name(spec, hd, rows)

@@ -293,32 +293,22 @@ extern "C" __global__ void cupyflash_snippet_probe(const UserParams u, double* o
 
 @functools.lru_cache(maxsize=256)
 def check_prelude(text):
-    """Compile the snippets alone through NVRTC (front end only, no GPU needed) and raise
-    SnippetError with NVRTC's messages about them if it rejects them."""
-    from cupy_backends.cuda.libs import nvrtc
-    from . import _compile
-    src = _compile.source("user.cuh", text) + _PROBE
-    prog = nvrtc.createProgram(src, "cupyflash-user-mods", [], [])
-    try:
-        nvrtc.compileProgram(prog, list(_compile.NVRTC_OPTIONS) + ["-arch=compute_80"])
-        return True
-    except nvrtc.NVRTCError:
-        log = nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    raise SnippetError(_snippet_message(log), log)
+    """Compile the snippets alone through NVRTC (no GPU needed) and raise SnippetError with
+    NVRTC's messages about them if it rejects them."""
+    _probe_ptx(text, _PROBE, "compute_80")
+    return True
 
 
-# A score_mod at sixteen coordinates apart in one thread, as a kernel's score step asks it.
-_GATHER_PROBE = """
-extern "C" __global__ void cupyflash_gather_probe(const UserParams u, float* out, int q_idx, int kv_idx) {
+# A score_mod at GATHER_PROBES coordinates apart in one thread, as a kernel's score step asks it.
+GATHER_PROBES = 16
+_GATHER_PROBE = f"""
+extern "C" __global__ void cupyflash_gather_probe(const UserParams u, float* out, int q_idx, int kv_idx) {{
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < GATHER_PROBES; ++i) s += UserMods::score<float>(u, 1.f, 0, 0, q_idx + i, kv_idx + 3 * i);
+    for (int i = 0; i < {GATHER_PROBES}; ++i) s += UserMods::score<float>(u, 1.f, 0, 0, q_idx + i, kv_idx + 3 * i);
     out[0] = s;
-}
+}}
 """
-GATHER_PROBES = 16
 _LOAD = re.compile(r"^\s*(@%p\d+\s+)?ld\.(?!param)", re.M)
 
 
@@ -328,17 +318,25 @@ def gathers(text):
     an offset of q_idx and kv_idx), rather than once for all of a thread's scores (a slope per
     head) or not at all: the loads in the PTX of GATHER_PROBES calls at distinct coordinates
     (one thread; loads of one address merge), at least one per call. NVRTC alone, no GPU."""
+    return len(_LOAD.findall(_probe_ptx(text, _GATHER_PROBE, "compute_90"))) >= GATHER_PROBES
+
+
+def _probe_ptx(text, probe, arch):
+    """The PTX of cuda/user.cuh with a ``prelude`` text and a ``probe`` kernel after it, by
+    NVRTC alone; SnippetError with NVRTC's messages about the snippets if it rejects them."""
     from cupy_backends.cuda.libs import nvrtc
     from . import _compile
-    src = f"#define GATHER_PROBES {GATHER_PROBES}\n" + _compile.source("user.cuh", text) + _GATHER_PROBE
-    prog = nvrtc.createProgram(src, "cupyflash-user-mods", [], [])
+    prog = nvrtc.createProgram(_compile.source("user.cuh", text) + probe, "cupyflash-user-mods", [], [])
     try:
-        nvrtc.compileProgram(prog, list(_compile.NVRTC_OPTIONS) + ["-arch=compute_90"])
+        try:
+            nvrtc.compileProgram(prog, [*_compile.NVRTC_OPTIONS, f"-arch={arch}"])
+        except nvrtc.NVRTCError:
+            log = nvrtc.getProgramLog(prog)
+            raise SnippetError(_snippet_message(log), log) from None
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    return len(_LOAD.findall(ptx)) >= GATHER_PROBES
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
 def _snippet_message(log):
