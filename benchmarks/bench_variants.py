@@ -65,8 +65,9 @@ class OursWith(bench.Ours):
         self.rule, self.keywords = rule, keywords
 
     def forward(self, s):
+        keywords = {k: v for k, v in self.keywords.items() if k != "deterministic"}
         return cf.flash_attention(s[0], s[1], s[2], causal=self.case.causal, block_mask=self.mask,
-                                  return_lse=True, **self.keywords)
+                                  return_lse=True, **keywords)
 
     def backward(self, s, saved):
         return cf.flash_attention_backward(s[3], s[0], s[1], s[2], saved[0], saved[1],
@@ -142,6 +143,8 @@ def ours_keywords(rule, nheads, seqlen=None):
         return dict(softcap=SOFTCAP, alibi_slopes=cp.asarray(alibi_slopes(nheads), cp.float32))
     if rule == "dropout":
         return dict(dropout_p=DROPOUT_P, seed=0)
+    if rule == "deterministic":   # the backward's mode, for ab_trees.py's cells
+        return dict(deterministic=True)
     if rule == "window":   # for ab_trees.py's cells; the window part here builds its own calls
         return dict(window_size=WINDOW)
     if rule.startswith("window_"):   # window_LEFT_RIGHT, for ab_trees.py's cells

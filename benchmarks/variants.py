@@ -48,10 +48,9 @@ def needed(headdims):
     for hd in headdims:
         f, b = _config.tile("fwd", hd, limit), _config.tile("bwd", hd, limit)
         for causal in (False, True):
-            variant = _spec.CallSpec("bfloat16", hd, window=_spec.band(causal)).variant()
-            yield "fwd.cu", tn("flash_fwd_kernel", "bf16", hd, f.br, f.bc, f.warps, f.stages_for(causal), variant)
-            yield "bwd.cu", tn("flash_bwd_dkdv_kernel", "bf16", hd, b.bc, b.br, b.warps, b.km,
-                               b.stages, variant, True)
+            spec = _spec.CallSpec("bfloat16", hd, window=_spec.band(causal))
+            yield "fwd.cu", _launch.fwd_name(spec, "bf16", hd, f)
+            yield "bwd.cu", _launch.bwd_dkdv_name(spec, "bf16", hd, b, True)
 
 
 def main():

@@ -336,6 +336,11 @@ __device__ __forceinline__ void rows_times_rows(float (&acc)[KM][QW / 8][4], u32
 // Stages: buffers of Q, dO, lse and D. With two, the next step's are fetched at the top of a
 // step and land under all of its math, and dQ (with its atomics) goes before dK/dV; with one,
 // the fetch waits for the dK/dV product and lands under the dQ product only.
+// The deterministic mode's kernels (AtomicDQ false) read every band at run time, none and
+// causal as windows (the host's Variant: CallSpec.variant's band_at_run_time), as its dQ pass
+// does: a third of the instantiations CI compiles. (Measured on the H200: the atomic mode's
+// causal kernels lost 1-2% so, and keep theirs; the deterministic mode as a run-time skip of
+// the dQ product spilled at head dim 128's 128-key tiles. benchmarks/NOTES.md.)
 template <typename Elem, int HeadDim, int Bc, int Br, int NWarps, int KM, int Stages, typename V, bool AtomicDQ>
 __global__ void __launch_bounds__(NWarps * 32)
 flash_bwd_dkdv_kernel(const BwdParams p) {
@@ -364,8 +369,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     auto sQ_of = [&](int buf) { return reinterpret_cast<u16*>(stage0 + buf * STAGE); };
     auto stats_of = [&](int buf) { return reinterpret_cast<float*>(stage0 + buf * STAGE + 2 * Br * LD * 2); };
 
-    // Causal: the first key blocks are seen by the most queries.
-    const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
+    // Causal: the first key blocks are seen by the most queries (the deterministic kernels
+    // read a causal band at run time, and the host's launch groups with it).
+    const BlockCoord at = block_coord<V::Causal || (V::Band && !AtomicDQ)>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     if (V::Varlen && at.tile * Bc >= seq.seqlen_k()) return;   // past a packed sequence's end
@@ -602,6 +608,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 // Deterministic dQ: one thread block per (query block, head, batch), warps own 16 query rows,
 // dQ stays in registers over the key blocks (the forward's iteration):
 //   S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
+// Every band (none and causal too) is a window read at run time (CallSpec.variant's
+// band_at_run_time): a block is masked or not by run-time bounds anyway, and the band's
+// compares fall in the masked blocks only.
 template <typename Elem, int HeadDim, int Br, int Bc, int NWarps, typename V>
 __global__ void __launch_bounds__(NWarps * 32)
 flash_bwd_dq_kernel(const BwdParams p) {
@@ -617,7 +626,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
     u16* sV = sK + Bc * LD;
 
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;   // as in the forward
-    const BlockCoord at = block_coord<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
+    const BlockCoord at = block_coord<V::Band>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     if (V::Varlen && at.tile * Br >= seq.seqlen_q()) return;   // past a packed sequence's end

@@ -1051,14 +1051,12 @@ def _forward(q, k, v, out, lse, scale, spec, block_mask, alibi_slopes, dropout, 
     p["vec_ok"] = _vec_ok(q, k, v, out)
     b, sq, _ = _dims(q, k, packed)
     h = q.shape[2]
-    hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
+    hd, elem = spec.headdim, ELEM[spec.dtype]
     if kernel_family(spec, block_mask, q, k, v) == "sm90":
         _forward_sm90(p, q, k, v, out, spec, block_mask, packed)
     elif spec.dtype in TENSOR_CORE:
         def name_of(t):
-            return ("fwd.cu", template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps,
-                                            t.stages_for(spec.masked_band), variant),
-                    t.smem_bytes(hd, spec.masked_band))
+            return "fwd.cu", fwd_name(spec, elem, hd, t), t.smem_bytes(hd, spec.masked_band)
         t = _pass_tile("fwd", spec, _smem_limit(), block_mask, name_of)
         if block_mask is not None:
             _fill_lists(p, block_mask, t.br, t.bc, spec.causal, kv=True, q=False)
@@ -1108,7 +1106,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     p["vec_ok"] = _vec_ok(q, k, v, out, dout, dq, dk, dv)
     b, sq, sk = _dims(q, k, packed)
     h, hk = q.shape[2], k.shape[2]
-    hd, elem, variant = spec.headdim, ELEM[spec.dtype], spec.variant()
+    hd, elem = spec.headdim, ELEM[spec.dtype]
     causal = spec.causal
     varlen = (str(_spec.SEQ_PACKED),) if spec.varlen else ()
     hopper = bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv,
@@ -1141,9 +1139,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
-            return ("bwd.cu", template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br,
-                                            t.warps, t.km, t.stages, variant,
-                                            dq_accum is not None), t.smem_bytes(hd))
+            return "bwd.cu", bwd_dkdv_name(spec, elem, hd, t, dq_accum is not None), t.smem_bytes(hd)
         t = _pass_tile("bwd", spec, limit, block_mask, name_of, deterministic=dq_accum is None)
         if dq_accum is not None:
             # The dK/dV kernel adds whole tiles of t.br rows x the head-dim bucket, unchecked.
@@ -1160,8 +1156,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
                 smem, p[()], spec.user_mods)
         if dq_accum is None:
             def name_of(t):
-                return ("bwd.cu", template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc,
-                                                t.warps, variant), t.smem_bytes(hd))
+                return "bwd.cu", bwd_dq_name(spec, elem, hd, t), t.smem_bytes(hd)
             t = _pass_tile("dq", spec, limit, block_mask, name_of)
             if block_mask is not None:
                 _fill_lists(p, block_mask, t.br, t.bc, causal, kv=True, q=False)
@@ -1184,6 +1179,26 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
         _launch("generic.cu", template_name("generic_bwd_dkdv_kernel", elem, hd, variant),
                 (_config.cdiv(sk, _config.GENERIC_WARPS), hk, b), threads, smem, p[()],
                 spec.user_mods)
+
+
+def fwd_name(spec, elem, hd, t):
+    """cuda/fwd.cu's kernel for ``spec`` at head-dim bucket ``hd``, tile ``t``."""
+    return template_name("flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, t.stages_for(spec.masked_band),
+                         spec.variant())
+
+
+def bwd_dkdv_name(spec, elem, hd, t, atomic_dq):
+    """cuda/bwd.cu's dK/dV kernel for ``spec`` at head-dim bucket ``hd``, tile ``t``, adding dQ
+    into the fp32 buffer (``atomic_dq``) or not: the deterministic mode's kernels, as its dQ
+    pass's, read every band at run time."""
+    return template_name("flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
+                         spec.variant(band_at_run_time=not atomic_dq), atomic_dq)
+
+
+def bwd_dq_name(spec, elem, hd, t):
+    """cuda/bwd.cu's deterministic dQ kernel: every band read at run time."""
+    return template_name("flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps,
+                         spec.variant(band_at_run_time=True))
 
 
 # cuda/decode.cu: four warps, 16-key slices, splits of whole 64-key steps, at most 128 of them;
@@ -1361,23 +1376,14 @@ def kernel_names(smem_limit, hopper=False):
                                  extras=ex), atomic)
                    for lim in limits for atomic in (False, True)}
             dq = {_config.tile("dq", hd, smem_limit, *lim, extras=ex) for lim in limits}
-            variant, band = spec.variant(), spec.masked_band
             for elem in (ELEM[d] for d in TENSOR_CORE):
-                for t in sorted(fwd, key=repr):
-                    names["fwd.cu"].append(template_name(
-                        "flash_fwd_kernel", elem, hd, t.br, t.bc, t.warps, t.stages_for(band), variant))
-                for t, atomic_dq in sorted(bwd, key=repr):
-                    names["bwd.cu"].append(template_name(
-                        "flash_bwd_dkdv_kernel", elem, hd, t.bc, t.br, t.warps, t.km, t.stages,
-                        variant, atomic_dq))
-                for t in sorted(dq, key=repr):
-                    names["bwd.cu"].append(template_name(
-                        "flash_bwd_dq_kernel", elem, hd, t.br, t.bc, t.warps, variant))
+                names["fwd.cu"] += [fwd_name(spec, elem, hd, t) for t in sorted(fwd, key=repr)]
+                names["bwd.cu"] += [bwd_dkdv_name(spec, elem, hd, t, atomic) for t, atomic in sorted(bwd, key=repr)]
+                names["bwd.cu"] += [bwd_dq_name(spec, elem, hd, t) for t in sorted(dq, key=repr)]
             for elem in ("float", "double"):
                 for kernel in ("generic_fwd_kernel", "generic_bwd_dq_kernel",
                                "generic_bwd_dkdv_kernel"):
                     names["generic.cu"].append(template_name(kernel, elem, hd,
                                                              spec.variant(band_at_run_time=True)))
-    # The plain kernels' bands are all one instantiation: each name once.
-    names["generic.cu"] = list(dict.fromkeys(names["generic.cu"]))
-    return names
+    # Bands read at run time (the plain kernels', bwd.cu's) share instantiations: each name once.
+    return {f: list(dict.fromkeys(ns)) for f, ns in names.items()}

@@ -121,7 +121,8 @@ class CallSpec:
         """The C++ spelling of the kernels' Variant template argument (cuda/variant.cuh).
         ``band_at_run_time``: every band (none and causal too) as a window read at run time,
         for the plain float32/float64 kernels (cuda/generic.cu), where the mask's compare per
-        score is small beside the score's dot product and one instantiation serves all three."""
+        score is small beside the score's dot product and one instantiation serves all three,
+        and for the deterministic mode's passes of cuda/bwd.cu."""
         causal, local = (False, True) if band_at_run_time else (self.causal, self.local)
         flags = (causal, local, self.softcap > 0, self.alibi, self.dropout > 0)
         args = ["true" if f else "false" for f in flags]

@@ -163,17 +163,13 @@ def _user_mod_names(score, mask, arch):
         variant = spec.variant()
         for hd in (64, 128):
             t = _config.tile("fwd", hd, _config.SMEM_LIMIT[80], *limits, extras=spec.extras)
-            names["fwd.cu"].append(template_name("flash_fwd_kernel", "fp16", hd, t.br, t.bc,
-                                                 t.warps, t.stages_for(spec.masked_band), variant))
+            names["fwd.cu"].append(_launch.fwd_name(spec, "fp16", hd, t))
             for atomic in (True, False):
                 t = _config.tile("bwd", hd, _config.SMEM_LIMIT[80], *limits,
                                  deterministic=not atomic, extras=spec.extras)
-                names["bwd.cu"].append(template_name("flash_bwd_dkdv_kernel", "fp16", hd, t.bc,
-                                                     t.br, t.warps, t.km, t.stages, variant,
-                                                     atomic))
+                names["bwd.cu"].append(_launch.bwd_dkdv_name(spec, "fp16", hd, t, atomic))
             t = _config.tile("dq", hd, _config.SMEM_LIMIT[80], *limits, extras=spec.extras)
-            names["bwd.cu"].append(template_name("flash_bwd_dq_kernel", "fp16", hd, t.br, t.bc,
-                                                 t.warps, variant))
+            names["bwd.cu"].append(_launch.bwd_dq_name(spec, "fp16", hd, t))
             for elem in ("float", "double"):
                 for kernel in ("generic_fwd_kernel", "generic_bwd_dq_kernel",
                                "generic_bwd_dkdv_kernel"):
