@@ -27,7 +27,7 @@ def lse_dtype(dtype):
     """lse (and D) are float32, or float64 for float64 inputs."""
     return np.float64 if dtype == np.float64 else np.float32
 
-HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 256)
 MAX_HEADDIM = HEAD_DIM_BUCKETS[-1]
 
 # Plain (fp32/fp64) kernels: one warp per query (or key) row, keys in chunks of 32.
@@ -128,7 +128,6 @@ _FWD = {
     128: [FwdTile(128, 64, 4, spills_with=_USER | _VARLEN), FwdTile(64, 64, 4)],
     160: [FwdTile(64, 64, 4)],
     192: [FwdTile(64, 64, 4)],
-    224: [FwdTile(128, 64, 8), FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
     256: [FwdTile(64, 64, 4), FwdTile(64, 32, 4)],
 }
 _BWD = {
@@ -142,7 +141,6 @@ _BWD = {
           BwdTile(128, 64, 8, spills_with=_USER | _VARLEN), BwdTile(64, 64, 8), BwdTile(64, 32, 4)],
     160: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     192: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
-    224: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
     256: [BwdTile(64, 64, 8), BwdTile(32, 32, 4)],
 }
 _DQ = {
@@ -152,7 +150,6 @@ _DQ = {
     128: [DqTile(64, 64, 4), DqTile(64, 32, 4)],
     160: [DqTile(64, 32, 4)],
     192: [DqTile(64, 32, 4)],
-    224: [DqTile(64, 32, 4)],
     256: [DqTile(64, 32, 4), DqTile(32, 32, 2)],
 }
 _TABLES = {"fwd": _FWD, "bwd": _BWD, "dq": _DQ}
