@@ -551,3 +551,23 @@ def test_readme_planned_hopper_cells_are_open_in_the_cited_runs():
             if r["impl"] == "cupyflash" and r["pattern"] != "dense" and r["seqlen"] == 8192]
     for pattern in {r["pattern"] for r in rows}:
         assert max(r["vs_dense"] - r["density"] for r in rows if r["pattern"] == pattern) > 0.02, pattern
+
+
+def test_readme_headdim_224_figures_are_the_cited_run():
+    """Head dim 224 on the 256 kernels against kernels of its own: the README's range of the
+    forward's gains and of the backward's losses over the 224 cells of the cited run, and the
+    buckets it names are the table's."""
+    from cupyflash import _config
+    text = (ROOT / "README.md").read_text()
+    start = text.index("The buckets are ")
+    sentence = text[start:text.index("kernels to compile.", start)]
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
+    buckets = re.match(r"The buckets are ([\d, ]+) and (\d+)", sentence)
+    assert tuple(int(b) for b in re.findall(r"\d+", buckets.group(0))) == _config.HEAD_DIM_BUCKETS
+    gains = _tree_gains(path, "new", ("cell", "pass"))
+    fwd = [g for (cell, p), g in gains.items() if cell.startswith("224:") and p == "fwd"]
+    bwd = [-g for (cell, p), g in gains.items() if cell.startswith("224:") and p == "bwd"]
+    assert len(fwd) == len(bwd) == 4
+    (f_lo, f_hi, b_lo, b_hi), = re.findall(r"(\d+)-(\d+)% faster forward\s+and (\d+)-(\d+)% slower backward", sentence)
+    assert (f"{min(fwd):.0f}", f"{max(fwd):.0f}") == (f_lo, f_hi)
+    assert (f"{min(bwd):.0f}", f"{max(bwd):.0f}") == (b_lo, b_hi)
