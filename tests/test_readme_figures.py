@@ -571,3 +571,16 @@ def test_readme_headdim_224_figures_are_the_cited_run():
     (f_lo, f_hi, b_lo, b_hi), = re.findall(r"(\d+)-(\d+)% faster forward\s+and (\d+)-(\d+)% slower backward", sentence)
     assert (f"{min(fwd):.0f}", f"{max(fwd):.0f}") == (f_lo, f_hi)
     assert (f"{min(bwd):.0f}", f"{max(bwd):.0f}") == (b_lo, b_hi)
+
+
+def test_readme_deterministic_band_figures_are_the_cited_run():
+    """The generic deterministic backward with every band read at run time: the README's range
+    (slower to faster, whole percent) over the deterministic cells of the cited run."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("their kernels now read every band at run time")
+    sentence = text[start:text.index("The order costs", start)]
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
+    gains = [g for (cell,), g in _tree_gains(path, "new").items() if cell.endswith(":deterministic")]
+    assert len(gains) == 9
+    (slower, faster), = re.findall(r"from (\d+)% slower to (\d+)% faster", sentence)
+    assert (f"{-min(gains):.0f}", f"{max(gains):.0f}") == (slower, faster)
