@@ -136,3 +136,19 @@ def test_block_lists_for_other_tiles_are_refused(field):
     for row_tile, list_tile in ((64, 64), (64, 128), (128, 128)):
         with pytest.raises(AssertionError, match=f"{field} lists are for 128 x 64 tiles"):
             _launch._check_lists(p, field, row_tile, list_tile)
+
+
+def test_backward_kernels_read_bands_at_run_time_only_in_the_deterministic_mode():
+    """cuda/bwd.cu's names: the atomic dK/dV kernels keep their band compiled (no band, causal
+    and a window apart: reading causal at run time measured 1-2% slower), the deterministic
+    mode's dK/dV and dQ kernels take one name for all three; kernel_names lists each once."""
+    from cupyflash import _spec
+    t = _config.tile("bwd", 128, _config.SMEM_LIMIT[80])
+    dq = _config.tile("dq", 128, _config.SMEM_LIMIT[80])
+    specs = [_spec.CallSpec("float16", 128, window=w) for w in (_spec.NO_WINDOW, _spec.CAUSAL, (64, 0))]
+    assert len({_launch.bwd_dkdv_name(s, "fp16", 128, t, True) for s in specs}) == 3
+    assert len({_launch.bwd_dkdv_name(s, "fp16", 128, t, False) for s in specs}) == 1
+    assert len({_launch.bwd_dq_name(s, "fp16", 128, dq) for s in specs}) == 1
+    for limit in (_config.SMEM_LIMIT[80], _config.SMEM_LIMIT[86]):
+        for names in _launch.kernel_names(limit).values():
+            assert len(names) == len(set(names))
