@@ -149,7 +149,7 @@ CASES = (
     Case("fp16", 97, 130, 128, False, nheads=2, nheads_k=1),
     Case("bf16", 130, 130, 64, True),
     Case("fp16", 200, 230, 64, True, nheads=2),    # 192-row tiles from 128 rows before row 0
-    Case("fp16", 130, 97, 200, False),                         # d=224 bucket, 8-warp forward
+    Case("fp16", 130, 97, 200, False),                         # d=256 bucket, 56 zero columns
     Case("bf16", 17, 97, 160, True),
     Case("bf16", 97, 130, 27, False),                          # rows not 16-byte multiples
     Case("bf16", 64, 64, 32, True),                            # whole tiles
