@@ -584,3 +584,14 @@ def test_readme_deterministic_band_figures_are_the_cited_run():
     assert len(gains) == 9
     (slower, faster), = re.findall(r"from (\d+)% slower to (\d+)% faster", sentence)
     assert (f"{-min(gains):.0f}", f"{max(gains):.0f}") == (slower, faster)
+
+
+def test_readme_compile_check_sizes_are_the_instantiation_lists():
+    """The README's sizes of the compile checks ("about N instantiations for sm_80 and M for
+    sm_90"), to the hundred, are kernel_names' lists for those devices."""
+    from cupyflash import _config
+    text = (ROOT / "README.md").read_text()
+    (n80, n90), = re.findall(r"about (\d+) instantiations for sm_80 and (\d+) for sm_90", text)
+    for arch, claimed in ((80, n80), (90, n90)):
+        names = _launch.kernel_names(_config.SMEM_LIMIT[arch], hopper=arch == 90)
+        assert round(sum(map(len, names.values())), -2) == int(claimed), arch
