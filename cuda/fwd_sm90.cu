@@ -85,12 +85,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // scores between their landing and the softmax: 2-6% faster at head dims 128 and 256, 1%
     // slower at 64 (benchmarks/NOTES.md).
     constexpr bool BiasFirst = ScoreMod<V, FwdParams>::positional() && HeadDim > 64;
+    // Dense tiles visit their key blocks from the diagonal (pivot_of): ALiBi's, and above head
+    // dim 64 a user score_mod's, which is often a bias that falls off with the distance to it
+    // (at 64 that order measured up to 6.5% slower: a relative-bias table, short causal rows).
+    constexpr bool Pivoted = V::Alibi || (V::UserScore && HeadDim > 64);
     // A consumer walks only the key blocks its own rows see where a band cuts the tile's
     // blocks between its consumers: causal or windowed, with three consumers (192 rows on
     // 128-key blocks) or blocks narrower than 128 keys. Elsewhere (non-causal, or 128 rows on
     // 128 keys) only a sequence's tail would skip, and that measured 0.6-0.9% slower
-    // (benchmarks/NOTES.md); ALiBi's pivoted order and block lists visit every block.
-    constexpr bool OwnWalk = V::Band && !V::Alibi && (Groups == 3 || Bc != 128);
+    // (benchmarks/NOTES.md); the pivoted order (pivot_of) and block lists visit every block.
+    constexpr bool OwnWalk = V::Band && !Pivoted && (Groups == 3 || Bc != 128);
     // Causal 192-row tiles end at the last row: the tiles start `lead` rows before row 0 (a
     // multiple of 64, under 192), so that the short tile is the first, which sees one key
     // block, not the last, whose idle consumer kept the turns of all its blocks. Where 192
@@ -139,9 +143,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // off on both sides of it, so a dense tile visits the key block of its middle row's
     // diagonal first, then the blocks after it, then those before it backwards: the rows' maxima
     // are set in the first blocks and settle (in key order they climbed block after block,
-    // and settled maxima measured slower than exact ones). Other tiles go in key order.
+    // and settled maxima measured slower than exact ones). A user score_mod's tiles take the
+    // same order with exact maxima (ALiBi as a snippet 1.4-8.6% faster at head dims 128 and
+    // 256, a relative-bias table even; settled maxima lost again: benchmarks/NOTES.md), by
+    // our reading because a row's max then moves in fewer blocks, so fewer warps rescale O.
+    // Other tiles go in key order.
     auto pivot_of = [&](const KeyBlocks& kb, int seqlen_q, int seqlen_k, int row0) {
-        if (!V::Alibi || kb.idx) return 0;
+        if (!Pivoted || kb.idx) return 0;
         const int diag = max(row0 + Br / 2 + seqlen_k - seqlen_q, 0) / Bc;
         return max(min(diag - kb.first, kb.count - 1), 0);
     };
@@ -194,7 +202,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 #pragma unroll 1
             for (int it = 0; it < kb.count; ++it, ++g) {
                 int pos = it;
-                if constexpr (V::Alibi) pos = kb.from_pivot(it, pivot);
+                if constexpr (Pivoted) pos = kb.from_pivot(it, pivot);
                 const int buf = g % Stages, n0 = kb.block(pos) * Bc;
                 const unsigned reuse = (g / Stages - 1) & 1;   // the use that freed the buffer
                 if (g >= Stages) mbar_wait(&k_empty[buf], reuse);
@@ -317,9 +325,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // full ones; benchmarks/NOTES.md). Not in the banded kernels at head dim 128, where
         // the bits' two registers spilled 4-20 bytes: there the mask runs the snippet inline.
         constexpr bool EarlyVerdicts = V::UserMask && (HeadDim != 128 || !V::Band);
-        // The position in the tile's list of the it-th block visited (ALiBi's from the pivot).
+        // The position in the tile's list of the it-th block visited (pivoted tiles' from the pivot).
         auto pos_of = [&](int it) {
-            if constexpr (V::Alibi) return kb.from_pivot(it, pivot);
+            if constexpr (Pivoted) return kb.from_pivot(it, pivot);
             else return it;
         };
         HiddenBits<1, NT> hidden;
