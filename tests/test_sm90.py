@@ -315,15 +315,17 @@ def test_sm90_forward_with_climbing_maxima(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("spelling", ["alibi_slopes", "score_mod"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("sq, sk, d, causal", [
     (700, 1000, 128, False), (700, 1000, 128, True), (1000, 300, 128, False), (1000, 300, 64, True),
-    (333, 900, 256, False), (900, 333, 64, False)])
-def test_sm90_forward_alibi_from_the_diagonal(sq, sk, d, causal, dtype):
+    (333, 900, 256, False), (333, 900, 256, True), (900, 333, 64, False)])
+def test_sm90_forward_alibi_from_the_diagonal(sq, sk, d, causal, dtype, spelling):
     """ALiBi tiles visit the key block of their middle row's diagonal first, then the later
     blocks, then the earlier ones backwards, with settled maxima: slopes from gentle to steep
     (a row's max then climbs by up to 8 x 128 per block toward its diagonal), diagonals inside,
-    before and after the keys (seqlen_q above and below seqlen_k)."""
+    before and after the keys (seqlen_q above and below seqlen_k). The same rule spelled as a
+    user score_mod takes that order with exact maxima above head dim 64 (key order at 64)."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("needs an sm_90 GPU")
@@ -333,39 +335,11 @@ def test_sm90_forward_alibi_from_the_diagonal(sq, sk, d, causal, dtype):
     q, k, v = (cupy.asarray(random_array(np, (b, s, h, d), np_dtype, seed))
                for s, seed in ((sq, 1), (sk, 2), (sk, 3)))
     slopes = cupy.asarray(np.geomspace(0.01, 8.0, b * h).reshape(b, h), cupy.float32)
-    spec = _spec.CallSpec.of(q, causal=causal, alibi_slopes=slopes)
+    rule = dict(alibi_slopes=slopes) if spelling == "alibi_slopes" else dict(score_mod=cf.ScoreMod(
+        f"score - slopes(b, h) * fabsf((float)(q_idx + {sk - sq} - kv_idx))", arrays={"slopes": slopes}))
+    spec = _spec.CallSpec.of(q, causal=causal, **rule)
     assert _launch.kernel_family(spec, None, q, k, v) == "sm90"
-    out, lse = cf.flash_attention(q, k, v, causal=causal, alibi_slopes=slopes, return_lse=True)
-    ref_out, ref_lse = attention_ref(q, k, v, d ** -0.5, causal, alibi_slopes=slopes)
-    naive_out, naive_lse = attention_naive(q, k, v, d ** -0.5, causal, dtype, alibi_slopes=slopes)
-    assert_rule("out", out, ref_out, naive_out, 2)
-    assert_rule("lse", lse, ref_lse, naive_lse, 2)
-
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("sq, sk, d, causal", [
-    (700, 1000, 128, False), (700, 1000, 128, True), (1000, 300, 128, False), (1000, 300, 64, True),
-    (333, 900, 256, True), (900, 333, 64, False)])
-def test_sm90_forward_user_score_mod_from_the_diagonal(sq, sk, d, causal, dtype):
-    """A user score_mod's dense tiles visit their key blocks from the middle row's diagonal, as
-    ALiBi's (with exact maxima): ALiBi spelled as a snippet, slopes from gentle to steep,
-    diagonals inside, before and after the keys, against the built-in rule's reference."""
-    import cupy
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("needs an sm_90 GPU")
-    import ml_dtypes
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
-    b, h = 2, 4
-    q, k, v = (cupy.asarray(random_array(np, (b, s, h, d), np_dtype, seed))
-               for s, seed in ((sq, 4), (sk, 5), (sk, 6)))
-    slopes = cupy.asarray(np.geomspace(0.01, 8.0, b * h).reshape(b, h), cupy.float32)
-    mod = cf.ScoreMod(f"score - slopes(b, h) * fabsf((float)(q_idx + {sk - sq} - kv_idx))",
-                      arrays={"slopes": slopes})
-    spec = _spec.CallSpec.of(q, causal=causal, score_mod=mod)
-    assert _launch.kernel_family(spec, None, q, k, v) == "sm90"
-    out, lse = cf.flash_attention(q, k, v, causal=causal, score_mod=mod, return_lse=True)
+    out, lse = cf.flash_attention(q, k, v, causal=causal, return_lse=True, **rule)
     ref_out, ref_lse = attention_ref(q, k, v, d ** -0.5, causal, alibi_slopes=slopes)
     naive_out, naive_lse = attention_naive(q, k, v, d ** -0.5, causal, dtype, alibi_slopes=slopes)
     assert_rule("out", out, ref_out, naive_out, 2)
