@@ -144,7 +144,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // diagonal first, then the blocks after it, then those before it backwards: the rows' maxima
     // are set in the first blocks and settle (in key order they climbed block after block,
     // and settled maxima measured slower than exact ones). A user score_mod's tiles take the
-    // same order with exact maxima (ALiBi as a snippet 1.4-8.6% faster at head dims 128 and
+    // same order with exact maxima (ALiBi as a snippet 1.3-8.4% faster at head dims 128 and
     // 256, a relative-bias table even; settled maxima lost again: benchmarks/NOTES.md), by
     // our reading because a row's max then moves in fewer blocks, so fewer warps rescale O.
     // Other tiles go in key order.

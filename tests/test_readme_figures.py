@@ -5,6 +5,7 @@ FlashAttention-4's ratios and FlashAttention-4's release) read from that file. N
 committed runs."""
 import json
 import re
+import statistics
 from pathlib import Path
 
 from cupyflash import _launch
@@ -475,7 +476,8 @@ def test_readme_user_mod_speed_is_the_cited_run():
     text = (ROOT / "README.md").read_text()
     start = text.index("- **Speed** (H200, bf16, d=128, 8K; `benchmarks/bench_variants.py")
     bullet = " ".join(text[start:text.index("- **Adapters**", start)].split())
-    path, costs_path, grads_path, before_path, doc_path = re.findall(r"`(benchmarks/results/[^`]+\.json)`", bullet)
+    path, costs_path, pivot_path, grads_path, before_path, doc_path = re.findall(
+        r"`(benchmarks/results/[^`]+\.json)`", bullet)
 
     def rows(path):
         return json.loads((ROOT / path).read_text())["rows"]
@@ -500,6 +502,16 @@ def test_readme_user_mod_speed_is_the_cited_run():
     const = [best("user_const", c) / best("plain", c) for c in (False, True)]
     assert (f"a score_mod of `score - 0.5f` alone took {_spread(const, '.2f')}x plain attention's "
             f"forward time") in bullet
+    # The diagonal-first order, from its A/B (median ms per tree, ALiBi's snippet at d=128, 256).
+    ab = rows(pivot_path)
+
+    def median_ms(cell, tree):
+        return statistics.median(r["ms"] for r in ab if (r["cell"], r["tree"]) == (cell, tree))
+    cells = {r["cell"] for r in ab if r["cell"].endswith(":user_alibi") and r["cell"].split(":")[0] in ("128", "256")}
+    assert len(cells) >= 4
+    gains = [100 * (median_ms(c, "base") / median_ms(c, "new") - 1) for c in cells]
+    assert (f"which made the forward of ALiBi as a snippet {_spread(gains, '.1f')}% faster at head dims 128 "
+            f"and 256") in bullet
     t5 = [ours("relative_bias", c, p) for c in (False, True) for p in ("fwd", "bwd")]
     assert (f"a T5 relative bias takes {t5[0]:.2f} / {t5[1]:.2f} ms forward / backward "
             f"(causal {t5[2]:.2f} / {t5[3]:.2f})") in bullet
