@@ -48,7 +48,8 @@ def _tree_gains(path, tree, keys=("cell",), base="base"):
 
 
 def _spread(values, fmt):
-    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def test_readme_hopper_figures_are_the_cited_run():

@@ -345,6 +345,7 @@ def test_sm90_forward_alibi_from_the_diagonal(sq, sk, d, causal, dtype, spelling
     assert_rule("out", out, ref_out, naive_out, 2)
     assert_rule("lse", lse, ref_lse, naive_lse, 2)
 
+
 def test_hopper_forward_shared_memory_fits_sm90():
     """Every Hopper forward instantiation's shared memory (two Q buffers and O's stage in the
     persistent kernels, which puts d=128 within 2 KB of the limit) fits sm_90's opt-in limit
