@@ -62,17 +62,17 @@ class OursWith(bench.Ours):
     def __init__(self, case, sets32, rule, **keywords):
         super().__init__(case, sets32)
         self.mask = keywords.pop("block_mask", self.mask)
+        self.deterministic = keywords.pop("deterministic", False)   # the backward's mode alone
         self.rule, self.keywords = rule, keywords
 
     def forward(self, s):
-        keywords = {k: v for k, v in self.keywords.items() if k != "deterministic"}
         return cf.flash_attention(s[0], s[1], s[2], causal=self.case.causal, block_mask=self.mask,
-                                  return_lse=True, **keywords)
+                                  return_lse=True, **self.keywords)
 
     def backward(self, s, saved):
         return cf.flash_attention_backward(s[3], s[0], s[1], s[2], saved[0], saved[1],
                                            causal=self.case.causal, block_mask=self.mask,
-                                           **self.keywords)
+                                           deterministic=self.deterministic, **self.keywords)
 
 
 class FlexWith(_TorchRunner):

@@ -370,8 +370,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     auto stats_of = [&](int buf) { return reinterpret_cast<float*>(stage0 + buf * STAGE + 2 * Br * LD * 2); };
 
     // Causal: the first key blocks are seen by the most queries (the deterministic kernels
-    // read a causal band at run time, and the host's launch groups with it).
-    const BlockCoord at = block_coord<V::Causal || (V::Band && !AtomicDQ)>(p, p.nheads_k, [](int i) { return i; });
+    // read every band at run time, a causal one too, and the host's launch groups with it).
+    const BlockCoord at = block_coord<V::Causal || !AtomicDQ>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     if (V::Varlen && at.tile * Bc >= seq.seqlen_k()) return;   // past a packed sequence's end
@@ -626,7 +626,8 @@ flash_bwd_dq_kernel(const BwdParams p) {
     u16* sV = sK + Bc * LD;
 
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;   // as in the forward
-    const BlockCoord at = block_coord<V::Band>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
+    // Longest first, in the host's launch groups where it sets them (causal calls).
+    const BlockCoord at = block_coord<true>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     if (V::Varlen && at.tile * Br >= seq.seqlen_q()) return;   // past a packed sequence's end
