@@ -370,12 +370,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // A user mask_mod (without a user score_mod, whose step masks on its own) runs on a step's
     // elements while its products run, not between S^T's landing and the probabilities.
     constexpr bool EarlyVerdicts = V::UserMask && !V::UserScore;
-    // Persistent where the host launches fewer blocks than key blocks (_launch.sm90_bwd_persistent):
-    // a thread block takes key block after key block, and the next one's K and V land while the
-    // last one's dK and dV are stored. Not with ALiBi or packed rows, whose kernels were at the
-    // register limit already (the loop made ptxas serialize the wgmma of their 80-query kernels,
-    // or spill): a block per key block.
-    constexpr bool Persistent = !V::Alibi && !V::Varlen;
+    // Persistent (_launch.sm90_bwd_persistent): one thread block per SM takes key block after
+    // key block, and the next one's K and V land while the last one's dK and dV are stored.
+    // Not with ALiBi, whose kernels were at the register limit already (its 80-query kernels
+    // then serialized their wgmma, its packed ones spilled): a block per key block.
+    constexpr bool Persistent = !V::Alibi;
     constexpr int Halves = HeadDim / 64, Sub = 64 * 64, QChunk = Br * 64, NT = Br / 8, DT = HeadDim / 8;
     constexpr int DQ_N = QSplit ? HeadDim : HeadDim / 2;   // the warpgroup's dQ columns
     // A warp's dQ stage (floats): 16 rows x DQ_N, or DqT 16 columns x Br queries, n8 tiles of
@@ -427,15 +426,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
                (V::Varlen && at.tile * Bc >= SeqInfo<BwdParams, V::Seq>(p, at.batch).seqlen_k());
     };
     auto copy_kv = [&](const BlockCoord& at) {
-        const SeqInfo<BwdParams, V::Seq> seq(p, Persistent ? min(at.batch, p.batch - 1) : at.batch);
+        const SeqInfo<BwdParams, V::Seq> seq(p, min(at.batch, p.batch - 1));
         bwd_sm90_copy_kv<2, Halves>(tp, seq, at.head, at.tile * Bc, sK, sV, bar);
     };
     if constexpr (!V::Causal) launch_dependents();
-    // A block of its own key block leaves at once if that has no work.
-    if (!Persistent && idle(tile(0))) {
-        if (threadIdx.x == 0 && tile(0).batch < p.batch) count_block_done(tp, tile(0));
-        return;
-    }
 
     if (threadIdx.x == 0) bar.init(Consumers);
     __syncthreads();
@@ -449,7 +443,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         int g = 0;
         for (int n = 0; more(n); ++n) {
             const BlockCoord at = tile(n);
-            if (Persistent && idle(at)) {
+            if (idle(at)) {
                 if (copier && at.batch < p.batch) count_block_done(tp, at);
                 continue;
             }
@@ -489,23 +483,23 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
 
         {
         const BlockCoord at = tile(n);
-        const bool busy = !Persistent || !idle(at);
-        const SeqInfo<BwdParams, V::Seq> seq(p, Persistent ? min(at.batch, p.batch - 1) : at.batch);
+        const bool busy = !idle(at);
+        const SeqInfo<BwdParams, V::Seq> seq(p, min(at.batch, p.batch - 1));
         const int n_tile = at.tile, col0 = n_tile * Bc;
         mask.at_batch(seq.b);
         const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
-        // The dQ of the step before, staged in the warp's stage (mydQ: holding its address, not
-        // recomputing it, measured 2% faster at d = 128): where it goes (null: none) and its turn
-        // (deterministic).
-        float* gdq = nullptr;
+        // The dQ of the step before, staged: its stage, where it goes (null: none) and its turn
+        // (deterministic). (Holding the stage's address here, not recomputing it, measured 2%
+        // faster at d = 128.)
+        float *stage = nullptr, *gdq = nullptr;
         int* order = nullptr;
         // The stage's tiles that the buffer has (the bucket's columns; DqT also the 16-row
         // blocks that begin before seqlen_q).
         int dq_valid = min(DQ_N / 8, p.dq_accum_cols / 8 - dq_chunk * DQ_N / 8);
         auto push_dq = [&]() {
             if (order) dq_turn_wait(order, n_tile);   // never DqT (_launch.sm90_bwd_rows)
-            push_dq_rows(gdq, mydQ, dq_valid, lane);
+            push_dq_rows(gdq, stage, dq_valid, lane);
             if (order) dq_turn_end(order, lane);
         };
         mbar_wait(&bar.kv_full, n & 1);
@@ -656,6 +650,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
             // Each warp's 16 rows into its own stage, added to the buffer in the next step, behind
             // its products (push_dq): the warpgroup's columns, those of them the buffer has (the
             // bucket's: 96 in the 128 kernel, 32 in the 64 one).
+            stage = mydQ;
             if constexpr (DqT) {
                 const int col = dq_chunk * DQ_N + 16 * wq;
                 gdq = p.dq_accum + accum_strip_block(seq, h, static_cast<unsigned>(m0) / 16, col / 16);
@@ -664,7 +659,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
                 gdq = dq_tile(p, seq, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);
                 order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
             }
-            stage_dq_rows<DqT ? Br / 8 : DQ_N / 8, 0>(mydQ, dq, lane);
+            stage_dq_rows<DqT ? Br / 8 : DQ_N / 8, 0>(stage, dq, lane);
             wgmma_wait<0>();
             wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
             wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
@@ -681,11 +676,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         }
         if (threadIdx.x == 0 && more(n + 1)) copy_kv(tile(n + 1));
         const BlockCoord at = tile(n);
-        if (Persistent && idle(at)) continue;   // counted by the producer
+        if (idle(at)) continue;   // counted by the producer
         const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
         const int col0 = at.tile * Bc;
-        u16* stK = Persistent ? sOut + wg * Halves * Sub : sK + wg * Halves * Sub;
-        u16* stV = Persistent ? sOut + (2 + wg) * Halves * Sub : sV + wg * Halves * Sub;
+        u16* stK = sOut + wg * Halves * Sub;
+        u16* stV = sOut + (2 + wg) * Halves * Sub;
         const float scale = static_cast<float>(p.scale);
         stage_swizzled<Elem, 64>(stK, 16 * wq, lane, dk, [=](int, int) { return scale; });
         stage_swizzled<Elem, 64>(stV, 16 * wq, lane, dv, [](int, int) { return 1.f; });

@@ -875,14 +875,12 @@ def sm90_bwd_rows_of_variant(hd, spec):
     return sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, wide, seqlen_q=seqlen_q)})
 
 
-def sm90_bwd_persistent(spec, hd, block_mask=None, deterministic=False):
-    """Whether the Hopper dK/dV pass runs persistent (cuda/bwd_sm90.cu's flash_bwd_sm90_kernel,
-    head dims 64 and 128, without ALiBi or packed rows): one block per SM at most, block i
-    taking key blocks i, i + blocks, ... of the grid (``BWD_SM90_PARAMS``'s grid holds its x,
-    x * y and x * y * z), where the key blocks take alike long (no band but a window closed on
-    both sides... ); else one block per key block."""
-    return (hd < 256 and not spec.alibi and not spec.varlen and block_mask is None
-            and not deterministic and not spec.causal)
+def sm90_bwd_persistent(spec, hd):
+    """Whether the Hopper dK/dV pass is persistent (cuda/bwd_sm90.cu's flash_bwd_sm90_kernel:
+    head dims 64 and 128, without ALiBi): one block per SM at most, block i taking key blocks i,
+    i + blocks, ... of the grid (``BWD_SM90_PARAMS``'s grid holds its x, x * y and x * y * z);
+    else one block per key block."""
+    return hd < 256 and not spec.alibi
 
 
 def _bwd_sm90_name(spec, hd, rows):
@@ -984,12 +982,10 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
     grid = _tile_grid(p, tiles, hk, b, spec.causal, pair_bytes)
     tp["base"] = p
     tp["dq_done"] = done
-    if hd < 256 and not spec.alibi and not spec.varlen:   # the kernel walks the grid itself
+    if sm90_bwd_persistent(spec, hd):
         gx, gy, gz = grid
         tp["grid"] = (gx, gx * gy, gx * gy * gz)
-        blocks = gx * gy * gz
-        grid = (min(blocks, _sm_count()) if sm90_bwd_persistent(spec, hd, block_mask, deterministic) else blocks,
-                1, 1)
+        grid = (min(gx * gy * gz, _sm_count()), 1, 1)
     if deterministic:
         order = zeros((b, h, _config.cdiv(sq, 64)), np.int32)   # per 64 rows
         tp["dq_order"] = order.data.ptr

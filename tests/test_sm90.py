@@ -674,18 +674,17 @@ def test_sm90_deterministic_backward_repeats_bit_for_bit(case, request):
     gpu_checks.check_backward(checked, dout, q, k, v, runs[0], scale, out=out, lse=lse, **variant)
 
 
-# The persistent passes (the forward, and the dK/dV pass where _launch.sm90_bwd_persistent
-# says so) with three blocks, as if the GPU had three SMs: each block takes many tiles, so that
-# every buffer's phases run on across tiles and the next key block's K and V land under the
-# last one's stores; beside them the calls whose dK/dV pass takes a block per key block through
-# the same kernel (causal launch groups, block masks, ALiBi, deterministic dQ, packed rows).
+# The persistent passes (the forward, and the dK/dV pass at head dims 64 and 128 without ALiBi)
+# with three blocks, as if the GPU had three SMs: each block takes many tiles, so that every
+# buffer's phases run on across tiles, the next key block's K and V land under the last one's
+# stores, idle tiles (a causal launch group's short end, packed sequences' ends) keep the
+# phases in step, and deterministic dQ's key blocks wait on blocks held by other thread blocks.
 @pytest.mark.gpu
 @pytest.mark.parametrize("how", [
     ("bf16", (2, 700, 900, 4, 2, 128, {})),                                  # 80-query steps
     ("fp16", (3, 500, 640, 6, 2, 64, dict(causal=True))),                   # launch groups, GQA
     ("bf16", (2, 300, 600, 4, 2, 128, dict(block_mask="sliding"))),
     ("fp16", (1, 600, 600, 4, 4, 128, dict(window_size=(100, 0), softcap=4.0))),
-    ("bf16", (2, 500, 640, 6, 2, 64, dict(window_size=(200, 30)))),
     ("bf16", (2, 333, 300, 4, 2, 128, dict(alibi=True))),                   # a block per key block
     ("deterministic", (2, 257, 640, 2, 2, 128, dict(causal=True, softcap=5.0))),
     ("deterministic", (1, 513, 1025, 4, 1, 96, {})),
