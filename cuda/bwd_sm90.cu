@@ -1,9 +1,9 @@
 // The dK/dV pass of the backward for Hopper (sm_90a), with dQ added atomically (bwd.cu's
 // fp32 buffer and its convert kernel; bwd_preprocess_kernel has written D and lse in log2
-// units first). For each (key block, kv head, batch) a thread block keeps dK and dV in
-// registers while it walks every query block (64 rows; 128 at head dim 64) of every query head
-// of its group (BwdSteps), as bwd.cu's pass does, with Hopper's units. Two kernels share the
-// block's skeleton:
+// units first). One thread block per (key block, kv head, batch) keeps dK and dV in registers
+// while it walks every query block (64 rows; 128 at head dim 64) of every query head of its
+// group (BwdSteps), as bwd.cu's pass does, with Hopper's units. Two kernels share the block's
+// skeleton:
 // - a producer warpgroup (bwd_sm90_produce, registers given back): one thread copies K and V
 //   once and Q and dO per query block into two stages (tensor maps, mbarriers; a stage is
 //   reused once every consumer thread has released it), one warp the rows' lse and D next to
@@ -11,9 +11,7 @@
 // - two consumer warpgroups that multiply by wgmma, with the mask and score modifier of the
 //   shared pieces, and add dQ through each warp's fp32 stage in the buffer's tile order by
 //   bulk reduce-adds of the copy engine (stage_dq_rows, push_dq_rows), instead of atomics per
-//   element; dK and dV leave through shared memory and bulk tensor stores.
-// flash_bwd_sm90_kernel is persistent (but with ALiBi): a block per SM takes key block after key
-// block, and the next one's K and V are copied while the last one's dK and dV are stored.
+//   element; dK and dV leave through K and V's tiles and bulk tensor stores.
 // flash_bwd_sm90_kernel (head dims 64 and 128): 128 keys, 64 per warpgroup. S^T = K Q^T and
 // dP^T = V dO^T from shared memory; then, in four parts of the queries, P^T = exp2(S^T - lse)
 // and dS^T = P^T (dP^T - D) as A fragments, dS^T also to shared memory (two steps' tiles,
@@ -50,7 +48,6 @@ struct BwdSm90Params {
     BwdParams base;
     int* dq_order;   // deterministic dQ: one counter per (batch, head, query block); else null
     int* dq_done;    // per (batch, kv head), the blocks that have finished (block_done); or null
-    int grid[3];     // a persistent pass's grid of key blocks (block_coord_at): x, x * y, x * y * z
 };
 
 // bwd.cu's dQ buffer: tiles of 16 rows x 8 columns, lane-major here (register e of lane L
@@ -85,8 +82,8 @@ struct BwdSteps {
     __device__ __forceinline__ int row0(Step s) const { return s.qb.block(s.it) * br; }
 };
 
-// The barriers of the copy pipeline: K and V once per key block, and Stages buffers of Q, dO
-// and the rows' (lse, D).
+// The barriers of the copy pipeline: K and V once, and Stages buffers of Q, dO and the rows'
+// (lse, D).
 template <int Stages>
 struct BwdSm90Barriers {
     unsigned long long kv_full, qd_full[Stages], qd_empty[Stages];
@@ -102,59 +99,42 @@ struct BwdSm90Barriers {
     }
 };
 
-// One thread has the copy engine bring a key block's K and V (KeyTiles x Chunks sub-tiles of 64
-// keys x 64 columns, from key col0 of kv head hk).
-template <int KeyTiles, int Chunks, int Stages, typename Seq>
-__device__ __forceinline__ void bwd_sm90_copy_kv(const BwdSm90Params& tp, const Seq& seq, int hk, int col0, u16* sK,
-                                                 u16* sV, BwdSm90Barriers<Stages>& bar) {
-    constexpr int Sub = 64 * 64;
-    mbar_expect_bytes(&bar.kv_full, 2 * KeyTiles * Chunks * Sub * 2);
-    for (int kt = 0; kt < KeyTiles; ++kt)
-        for (int c = 0; c < Chunks; ++c) {
-            const int row = seq.k_map_row(col0 + 64 * kt), batch = seq.map_batch();
-            tma_load_4d(sK + (kt * Chunks + c) * Sub, tp.k, 64 * c, hk, row, batch, &bar.kv_full);
-            tma_load_4d(sV + (kt * Chunks + c) * Sub, tp.v, 64 * c, hk, row, batch, &bar.kv_full);
-        }
-}
-
-// The producer warpgroup's threads that work (bwd_sm90_produce): its first thread and its
-// second warp.
-__device__ __forceinline__ bool bwd_sm90_producing() {
-    const int i = threadIdx.x % 128;
-    return i == 0 || (i >= 32 && i < 64);
-}
-
-// The producer warpgroup (the block's last; registers given back first), for one key block:
-// its first thread has the copy engine bring the block's K and V once (where `kv`: the thread
-// block's first key block; the consumers copy the next ones' as they finish one) and Q and dO
-// (Chunks sub-tiles of Br rows) per step; its second warp copies the steps' row statistics into sstat, so that the consumers hold no registers for
-// them across their products. Rows past seqlen_q get lse = +inf: their probabilities are 0.
-// (Their Q and dO rows are zeros, the copy engine's fill past the tensor, or in a packed batch
-// the next sequence's rows; a neighbour's lse gave a zero score a probability of 2^-lse, which
-// past 65504 is inf in fp16's P and made dK and dV NaN through 0 * inf.)
-// `g`: the steps passed before, on through this key block's.
+// The producer warpgroup (the block's last; registers given back first): its first thread has
+// the copy engine bring the block's K and V (KeyTiles x Chunks sub-tiles of 64 keys x 64
+// columns) once and Q and dO (Chunks sub-tiles of Br rows) per step; its second warp copies
+// the steps' row statistics into sstat, so that the consumers hold no registers for them across
+// their products. Rows past seqlen_q get lse = +inf: their probabilities are 0. (Their Q and dO
+// rows are zeros, the copy engine's fill past the tensor, or in a packed batch the next
+// sequence's rows; a neighbour's lse gave a zero score a probability of 2^-lse, which past
+// 65504 is inf in fp16's P and made dK and dV NaN through 0 * inf.)
 template <int Stages, int Br, int KeyTiles, int Chunks, typename V, typename Seq>
 __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const Seq& seq, const BwdSteps<V>& steps,
                                                  int col0, u16* sK, u16* sV, u16* sQ, u16* sdO, float2 (*sstat)[Br],
-                                                 BwdSm90Barriers<Stages>& bar, bool kv, int& g) {
+                                                 BwdSm90Barriers<Stages>& bar) {
+    constexpr int Sub = 64 * 64;
     const BwdParams& p = steps.p;
-    const bool copier = threadIdx.x % 128 < 32;   // else the statistics warp
-    const int lane = threadIdx.x % 32;
-    auto copy_kv = [&]() {
-        if (kv) bwd_sm90_copy_kv<KeyTiles, Chunks>(tp, seq, steps.hk, col0, sK, sV, bar);
-        kv = false;
-    };
+    const int pw = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+    if (pw > 1 || (pw == 0 && lane != 0)) return;
+    if (pw == 0) {
+        mbar_expect_bytes(&bar.kv_full, 2 * KeyTiles * Chunks * Sub * 2);
+        for (int kt = 0; kt < KeyTiles; ++kt)
+            for (int c = 0; c < Chunks; ++c) {
+                const int row = seq.k_map_row(col0 + 64 * kt), batch = seq.map_batch();
+                tma_load_4d(sK + (kt * Chunks + c) * Sub, tp.k, 64 * c, steps.hk, row, batch, &bar.kv_full);
+                tma_load_4d(sV + (kt * Chunks + c) * Sub, tp.v, 64 * c, steps.hk, row, batch, &bar.kv_full);
+            }
+    }
+    int g = 0;   // query blocks passed: block g goes through stage g % Stages
     for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
         const int buf = g % Stages, h = steps.head(cur), m0 = steps.row0(cur);
         if (g >= Stages) mbar_wait(&bar.qd_empty[buf], (g / Stages - 1) & 1);
-        if (copier) {
+        if (pw == 0) {
             mbar_expect_bytes(&bar.qd_full[buf], 2 * Chunks * Br * 64 * 2);
             const int row = seq.q_map_row(m0), batch = seq.map_batch();
             for (int c = 0; c < Chunks; ++c) {
                 tma_load_4d(sQ + (buf * Chunks + c) * Br * 64, tp.q, 64 * c, h, row, batch, &bar.qd_full[buf]);
                 tma_load_4d(sdO + (buf * Chunks + c) * Br * 64, tp.dout, 64 * c, h, row, batch, &bar.qd_full[buf]);
             }
-            copy_kv();   // after the first step's Q and dO, whose stage is free sooner
         } else {
             for (int i = lane; i < Br; i += 32) {
                 const index_t at_row = seq.stat(h, min(m0 + i, seq.seqlen_q() - 1));
@@ -166,7 +146,6 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
             mbar_arrive(&bar.qd_full[buf]);
         }
     }
-    if (copier) copy_kv();   // a key block that no query sees: its dK and dV are zeros
 }
 
 // A warp's 16 rows x 8 * Tiles columns of dQ (fragments of n8 tiles) into its stage in the
@@ -370,11 +349,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // A user mask_mod (without a user score_mod, whose step masks on its own) runs on a step's
     // elements while its products run, not between S^T's landing and the probabilities.
     constexpr bool EarlyVerdicts = V::UserMask && !V::UserScore;
-    // Persistent (_launch.sm90_bwd_persistent): one thread block per SM takes key block after
-    // key block, and the next one's K and V land while the last one's dK and dV are stored.
-    // Not with ALiBi, whose kernels were at the register limit already (its 80-query kernels
-    // then serialized their wgmma, its packed ones spilled): a block per key block.
-    constexpr bool Persistent = !V::Alibi;
     constexpr int Halves = HeadDim / 64, Sub = 64 * 64, QChunk = Br * 64, NT = Br / 8, DT = HeadDim / 8;
     constexpr int DQ_N = QSplit ? HeadDim : HeadDim / 2;   // the warpgroup's dQ columns
     // A warp's dQ stage (floats): 16 rows x DQ_N, or DqT 16 columns x Br queries, n8 tiles of
@@ -400,59 +374,26 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sdSt = sdO + Stages * Halves * QChunk;
     float* sdQ = reinterpret_cast<float*>(sdSt + 2 * 2 * Br * 64);
 
-    // dK and dV leave through a stage over the dS^T tiles and the dQ stages, so that the next
-    // key block's K and V land while they are stored.
-    u16* sOut = sdSt;
-    static_assert(4 * Halves * Sub * 2 <= 2 * 2 * Br * 64 * 2 + 8 * STAGE * 4, "dK and dV's stage fits");
-
-    // The block's n-th key block (more(n): it has one): persistent, n blockIdx.x + n gridDim.x
-    // of the grid (block_coord_at; causal: the first key blocks are seen by the most queries),
-    // else the block's own. A static stride: the producer and the consumers find their blocks
-    // each, without waiting for one another (one thread drawing blocks from a counter for the
-    // others made ptxas serialize the consumers' wgmma for want of registers, as did a block's
-    // coordinates kept across its steps: they are computed again from n where needed).
-    auto tile = [&](int n) {
-        if (!Persistent) return block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
-        const int w = blockIdx.x + n * gridDim.x, gx = tp.grid[0], gxy = tp.grid[1];
-        return block_coord_at<V::Causal>(p, p.nheads_k, [](int i) { return i; }, w % gx, w % gxy / gx, w / gxy);
-    };
-    auto more = [&](int n) { return Persistent ? static_cast<int>(blockIdx.x + n * gridDim.x) < tp.grid[2] : n == 0; };
-    // A block without work: past the grid's end (its last group of heads may be short), or past
-    // a packed sequence's end (it counts itself done). K and V are still copied for it (the
-    // copy engine fills past the tensor with zeros), so that the n-th copy of K and V is the
-    // n-th phase of kv_full.
-    auto idle = [&](const BlockCoord& at) {
-        return at.batch >= p.batch ||
-               (V::Varlen && at.tile * Bc >= SeqInfo<BwdParams, V::Seq>(p, at.batch).seqlen_k());
-    };
-    auto copy_kv = [&](const BlockCoord& at) {
-        const SeqInfo<BwdParams, V::Seq> seq(p, min(at.batch, p.batch - 1));
-        bwd_sm90_copy_kv<2, Halves>(tp, seq, at.head, at.tile * Bc, sK, sV, bar);
-    };
+    // Causal: the first key blocks are seen by the most queries.
     if constexpr (!V::Causal) launch_dependents();
+    const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
+    if (at.batch >= p.batch) return;
+    const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
+    const int n_tile = at.tile, col0 = n_tile * Bc;
+    if (V::Varlen && col0 >= seq.seqlen_k()) {   // past a packed sequence's end
+        if (threadIdx.x == 0) count_block_done(tp, at);
+        return;
+    }
+    Mask<V, BwdParams> mask(p);
+    mask.at_batch(at.batch);
+    const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
     if (threadIdx.x == 0) bar.init(Consumers);
     __syncthreads();
 
     if (threadIdx.x >= Consumers) {
         setmaxnreg_dec<24>();
-        if (!bwd_sm90_producing()) return;
-        const bool copier = threadIdx.x % 128 < 32;
-        if (copier) copy_kv(tile(0));   // the consumers copy the next blocks' as they finish one
-        Mask<V, BwdParams> mask(p);
-        int g = 0;
-        for (int n = 0; more(n); ++n) {
-            const BlockCoord at = tile(n);
-            if (idle(at)) {
-                if (copier && at.batch < p.batch) count_block_done(tp, at);
-                continue;
-            }
-            const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
-            mask.at_batch(at.batch);
-            const BwdSteps<V> steps{p, mask, at.head, at.tile, Br, Bc};
-            bwd_sm90_produce<Stages, Br, 2, Halves>(tp, seq, steps, at.tile * Bc, sK, sV, sQ, sdO, sstat, bar, false,
-                                                    g);
-        }
+        bwd_sm90_produce<Stages, Br, 2, Halves>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar);
         return;
     }
     setmaxnreg_inc<240>();
@@ -472,241 +413,221 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // d = 128.
     const int dq_q = QSplit ? wg : 0, dq_chunk = QSplit ? 0 : wg;
     ScoreMod<V, BwdParams> mod(p);
-    Mask<V, BwdParams> mask(p);
-    int g = 0;   // steps passed, over every key block taken
-    for (int n = 0; more(n); ++n) {
-        float dk[1][DT][4], dv[1][DT][4];
+
+    float dk[1][DT][4], dv[1][DT][4];
 #pragma unroll
-        for (int i = 0; i < DT; ++i)
+    for (int i = 0; i < DT; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) { dk[0][i][e] = 0.f; dv[0][i][e] = 0.f; }
+        for (int e = 0; e < 4; ++e) { dk[0][i][e] = 0.f; dv[0][i][e] = 0.f; }
 
-        {
-        const BlockCoord at = tile(n);
-        const bool busy = !idle(at);
-        const SeqInfo<BwdParams, V::Seq> seq(p, min(at.batch, p.batch - 1));
-        const int n_tile = at.tile, col0 = n_tile * Bc;
-        mask.at_batch(seq.b);
-        const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
+    // The dQ of the step before, staged: its stage, where it goes and its turn
+    // (deterministic). (Holding the stage's address here, not recomputing it, measured 2%
+    // faster at d = 128.)
+    float *stage = nullptr, *gdq = nullptr;
+    int* order = nullptr;
+    // The stage's tiles that the buffer has (the bucket's columns; DqT also the 16-row
+    // blocks that begin before seqlen_q).
+    int dq_valid = min(DQ_N / 8, p.dq_accum_cols / 8 - dq_chunk * DQ_N / 8);
+    auto push_dq = [&]() {
+        if (order) dq_turn_wait(order, n_tile);   // never DqT (_launch.sm90_bwd_rows)
+        push_dq_rows(gdq, stage, dq_valid, lane);
+        if (order) dq_turn_end(order, lane);
+    };
+    mbar_wait(&bar.kv_full, 0);
+    int g = 0;
+    for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
+        const int buf = g % Stages, h = steps.head(cur), m0 = steps.row0(cur);
+        const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
+        mod.at_head(seq.b, h);
+        mask.at_head(seq.b, h);
+        const u16* bQ = sQ + buf * Halves * QChunk;
+        const u16* bdO = sdO + buf * Halves * QChunk;
 
-        // The dQ of the step before, staged: its stage, where it goes (null: none) and its turn
-        // (deterministic). (Holding the stage's address here, not recomputing it, measured 2%
-        // faster at d = 128.)
-        float *stage = nullptr, *gdq = nullptr;
-        int* order = nullptr;
-        // The stage's tiles that the buffer has (the bucket's columns; DqT also the 16-row
-        // blocks that begin before seqlen_q).
-        int dq_valid = min(DQ_N / 8, p.dq_accum_cols / 8 - dq_chunk * DQ_N / 8);
-        auto push_dq = [&]() {
-            if (order) dq_turn_wait(order, n_tile);   // never DqT (_launch.sm90_bwd_rows)
-            push_dq_rows(gdq, stage, dq_valid, lane);
-            if (order) dq_turn_end(order, lane);
-        };
-        mbar_wait(&bar.kv_full, n & 1);
-        // The key block before's dK and dV stores have read their stage (this block's dS^T tiles
-        // and dQ stages).
-        if (n > 0) named_bar_sync(6, Consumers);
-        for (auto cur = steps.first(); busy && !steps.done(cur); cur = steps.next(cur), ++g) {
-            const int buf = g % Stages, h = steps.head(cur), m0 = steps.row0(cur);
-            const bool masked = cur.qb.needs_mask(cur.it, m0, Br, Bc, col0, mask);
-            mod.at_head(seq.b, h);
-            mask.at_head(seq.b, h);
-            const u16* bQ = sQ + buf * Halves * QChunk;
-            const u16* bdO = sdO + buf * Halves * QChunk;
+        // S^T = K Q^T and dP^T = V dO^T: the warpgroup's 64 keys x Br queries, k16 steps over
+        // the head dim.
+        float st[1][NT][4], dpt[1][NT][4];
+        float(&st_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st);
+        float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
+        mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
+        issue_scores_t<Elem, Halves, QChunk>(st_flat, dpt_flat, myK, myV, bQ, bdO, 0);
+        if (g > 0) push_dq();   // the step before's, behind this step's products
+        // A user mask_mod's verdicts on the step, made while its products run (as the forward's).
+        HiddenBits<1, NT> hidden;
+        if constexpr (EarlyVerdicts)
+            if (masked) hidden = user_hidden_bits<true, 1, NT>(mask, col0 + key_w, m0, lane);
 
-            // S^T = K Q^T and dP^T = V dO^T: the warpgroup's 64 keys x Br queries, k16 steps over
-            // the head dim.
-            float st[1][NT][4], dpt[1][NT][4];
-            float(&st_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st);
-            float(&dpt_flat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(dpt);
-            mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
-            issue_scores_t<Elem, Halves, QChunk>(st_flat, dpt_flat, myK, myV, bQ, bdO, 0);
-            if (gdq) push_dq();   // the step before's, behind this step's products
-            // A user mask_mod's verdicts on the step, made while its products run (as the forward's).
-            HiddenBits<1, NT> hidden;
-            if constexpr (EarlyVerdicts)
-                if (masked) hidden = user_hidden_bits<true, 1, NT>(mask, col0 + key_w, m0, lane);
-
-            // The (lse, D) pairs of the thread's query columns nt * 8 + 2t + j.
-            auto stat = [&](int nt, int j) { return sstat[buf][nt * 8 + 2 * t + j]; };
-            // P^T and dS^T = P^T (dP^T - D) as A fragments (keys x queries); dS^T also into this
-            // step's dS^T tile of the warpgroup (128-byte swizzle, keys as rows: the transposed A
-            // operand of dS K). The tiles alternate between steps: the other warpgroup may still
-            // read the last ones. (Stores here and to the dQ stage by 32-bit shared address: a
-            // register each.)
-            u32 pa[Br / 16][4], dsa[Br / 16][4];
-            u16* dSt = sdSt + (g % 2) * 2 * Br * 64;
-            const u32 dSt_s = smem_addr(dSt);
-            auto d_of = [&](int nt, int j) { return stat(nt, j).y; };
-            auto to_ds = [&](int nt, const float (&ds)[4]) {
-                const u32 lo = pack2<Elem>(ds[0], ds[1]), hi = pack2<Elem>(ds[2], ds[3]);
-                dsa[nt / 2][2 * (nt % 2)] = lo;
-                dsa[nt / 2][2 * (nt % 2) + 1] = hi;
-                if constexpr (DqT) {
-                    // Each pair of n8 tiles as four 8 x 8 matrices (dsa[nt / 2]: keys 0-7 and 8-15
-                    // of tile nt - 1, then of tile nt), stored transposed into the warpgroup's
-                    // sub-tile: queries as rows, the warp's 16 keys along them.
-                    if (nt % 2 == 1) {
-                        const int i = lane / 8, q = 8 * (nt - 1 + i / 2) + lane % 8, key = 16 * wq + 8 * (i % 2);
-                        stmatrix_x4_trans(dSt_s + 2 * (wg * Br * 64 + swizzled_offset<Br>(q, key)), dsa[nt / 2]);
-                    }
-                } else {
-                    const int r = 64 * wg + 16 * wq + lane / 4, c = nt % 8 * 8 + 2 * t;
-                    const u32 tile = dSt_s + nt / 8 * 2 * 2 * Sub;   // the 64 queries' two sub-tiles
-                    st_shared(tile + 2 * swizzled_offset<64>(r, c), lo);
-                    st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), hi);
+        // The (lse, D) pairs of the thread's query columns nt * 8 + 2t + j.
+        auto stat = [&](int nt, int j) { return sstat[buf][nt * 8 + 2 * t + j]; };
+        // P^T and dS^T = P^T (dP^T - D) as A fragments (keys x queries); dS^T also into this
+        // step's dS^T tile of the warpgroup (128-byte swizzle, keys as rows: the transposed A
+        // operand of dS K). The tiles alternate between steps: the other warpgroup may still
+        // read the last ones. (Stores here and to the dQ stage by 32-bit shared address: a
+        // register each.)
+        u32 pa[Br / 16][4], dsa[Br / 16][4];
+        u16* dSt = sdSt + (g % 2) * 2 * Br * 64;
+        const u32 dSt_s = smem_addr(dSt);
+        auto d_of = [&](int nt, int j) { return stat(nt, j).y; };
+        auto to_ds = [&](int nt, const float (&ds)[4]) {
+            const u32 lo = pack2<Elem>(ds[0], ds[1]), hi = pack2<Elem>(ds[2], ds[3]);
+            dsa[nt / 2][2 * (nt % 2)] = lo;
+            dsa[nt / 2][2 * (nt % 2) + 1] = hi;
+            if constexpr (DqT) {
+                // Each pair of n8 tiles as four 8 x 8 matrices (dsa[nt / 2]: keys 0-7 and 8-15
+                // of tile nt - 1, then of tile nt), stored transposed into the warpgroup's
+                // sub-tile: queries as rows, the warp's 16 keys along them.
+                if (nt % 2 == 1) {
+                    const int i = lane / 8, q = 8 * (nt - 1 + i / 2) + lane % 8, key = 16 * wq + 8 * (i % 2);
+                    stmatrix_x4_trans(dSt_s + 2 * (wg * Br * 64 + swizzled_offset<Br>(q, key)), dsa[nt / 2]);
                 }
-            };
-            // Tile by tile once both products are in, each tile's accumulators dying as its fragments
-            // are made (at d = 64, 128 queries, P^T made while dP^T ran, beside both accumulators,
-            // spilled), in four parts of the queries: dV and dK of a part run while the next part's
-            // fragments are made, so that the tensor cores do not wait for the whole tile's.
-            wgmma_wait<1>();
-            wgmma_fence_operands(st_flat);
-            constexpr int Parts = DqT ? 5 : 4, PT = NT / Parts;   // n8 tiles per part
-#pragma unroll
-            for (int part = 0; part < Parts; ++part) {
-                const int nt0 = PT * part;
-                auto& st_p = reinterpret_cast<float(&)[1][PT][4]>(st[0][nt0]);
-                const auto& dpt_p = reinterpret_cast<const float(&)[1][PT][4]>(dpt[0][nt0]);
-                auto ds_of = [&](int nt) {
-                    dscores_t(st_p, dpt_p, nt, [&](int nt, int j) { return d_of(nt0 + nt, j); },
-                              [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
-                };
-                auto lse_of = [&](int nt, int j) { return stat(nt0 + nt, j).x; };
-                auto to_pa = [&](int nt, const float (&pv)[4]) {
-                    const int n = nt0 + nt;
-                    pa[n / 2][2 * (n % 2)] = pack2<Elem>(pv[0], pv[1]);
-                    pa[n / 2][2 * (n % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
-                };
-                if constexpr (V::UserScore) {
-                    if (part == 0) {
-                        wgmma_wait<0>();
-                        wgmma_fence_operands(dpt_flat);
-                    }
-                    user_probs_t(st_p, dpt_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane, lse_of,
-                                 [&](int nt, int j) { return d_of(nt0 + nt, j); }, to_pa,
-                                 [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
-                } else {
-                    probs_t(st_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane, lse_of,
-                            [&](int nt, const float (&pv)[4]) {
-                                to_pa(nt, pv);
-                                if (part > 0) ds_of(nt);
-                            },
-                            EarlyVerdicts ? &hidden : nullptr, 4 * nt0);
-                    if (part == 0) {   // the first part's P^T made while dP^T ran
-                        wgmma_wait<0>();
-                        wgmma_fence_operands(dpt_flat);
-#pragma unroll
-                        for (int nt = 0; nt < PT; ++nt) ds_of(nt);
-                    }
-                }
-                // dV += P^T dO and dK += dS^T Q over the part's queries (B MN-major: 16 queries =
-                // 2048 bytes of a chunk).
-                wgmma_fence();
-#pragma unroll
-                for (int c = 0; c < Halves; ++c)
-#pragma unroll
-                    for (int kk = nt0 / 2; kk < (nt0 + PT) / 2; ++kk) {
-                        wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
-                                       sw128_desc(bdO, 2 * c * QChunk + 2048 * kk), true);
-                        if (part < Parts - 1)   // the last part's dK: after dQ's product, below
-                            wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
-                                           sw128_desc(bQ, 2 * c * QChunk + 2048 * kk), true);
-                    }
-                wgmma_commit();
+            } else {
+                const int r = 64 * wg + 16 * wq + lane / 4, c = nt % 8 * 8 + 2 * t;
+                const u32 tile = dSt_s + nt / 8 * 2 * 2 * Sub;   // the 64 queries' two sub-tiles
+                st_shared(tile + 2 * swizzled_offset<64>(r, c), lo);
+                st_shared(tile + 2 * swizzled_offset<64>(r + 8, c), hi);
             }
-            // dQ (64 queries x DQ_N columns) += dS K over all 128 keys of the block, once both
-            // warpgroups' dS^T tiles are in shared memory: half the fp32 traffic of each warpgroup
-            // adding its own keys' share over the whole head dim. DqT: dQ^T (the warpgroup's 64
-            // columns x Br queries) = K^T dS^T.
-            fence_proxy_async();
-            named_bar_sync(6, Consumers);
-            float dq[DqT ? Br / 2 : DQ_N / 2];
-            wgmma_fence();
+        };
+        // Tile by tile once both products are in, each tile's accumulators dying as its fragments
+        // are made (at d = 64, 128 queries, P^T made while dP^T ran, beside both accumulators,
+        // spilled), in four parts of the queries: dV and dK of a part run while the next part's
+        // fragments are made, so that the tensor cores do not wait for the whole tile's.
+        wgmma_wait<1>();
+        wgmma_fence_operands(st_flat);
+        constexpr int Parts = DqT ? 5 : 4, PT = NT / Parts;   // n8 tiles per part
 #pragma unroll
-            for (int kh = 0; kh < 2; ++kh)
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
-                    const auto k_desc = sw128_desc(sK + dq_chunk * Sub, 2 * kh * Halves * Sub + 2048 * kk);
-                    if constexpr (DqT)
-                        wgmma_ss_tn<Elem>(dq, k_desc, sw128_desc(dSt, 2 * kh * Br * 64 + 32 * kk), kh + kk > 0);
-                    else
-                        wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + 2 * dq_q * Sub, 2 * kh * Sub + 2048 * kk), k_desc, kh + kk > 0);
+        for (int part = 0; part < Parts; ++part) {
+            const int nt0 = PT * part;
+            auto& st_p = reinterpret_cast<float(&)[1][PT][4]>(st[0][nt0]);
+            const auto& dpt_p = reinterpret_cast<const float(&)[1][PT][4]>(dpt[0][nt0]);
+            auto ds_of = [&](int nt) {
+                dscores_t(st_p, dpt_p, nt, [&](int nt, int j) { return d_of(nt0 + nt, j); },
+                          [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
+            };
+            auto lse_of = [&](int nt, int j) { return stat(nt0 + nt, j).x; };
+            auto to_pa = [&](int nt, const float (&pv)[4]) {
+                const int n = nt0 + nt;
+                pa[n / 2][2 * (n % 2)] = pack2<Elem>(pv[0], pv[1]);
+                pa[n / 2][2 * (n % 2) + 1] = pack2<Elem>(pv[2], pv[3]);
+            };
+            if constexpr (V::UserScore) {
+                if (part == 0) {
+                    wgmma_wait<0>();
+                    wgmma_fence_operands(dpt_flat);
                 }
-            wgmma_commit();
-            // The last part's dK product runs while dQ is staged (the tensor cores idled through
-            // the stores of the stage before): at d = 64 1-2% faster, at d = 128 within 1%; the
-            // dK of more parts there measured no better (benchmarks/NOTES.md).
+                user_probs_t(st_p, dpt_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane, lse_of,
+                             [&](int nt, int j) { return d_of(nt0 + nt, j); }, to_pa,
+                             [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
+            } else {
+                probs_t(st_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane, lse_of,
+                        [&](int nt, const float (&pv)[4]) {
+                            to_pa(nt, pv);
+                            if (part > 0) ds_of(nt);
+                        },
+                        EarlyVerdicts ? &hidden : nullptr, 4 * nt0);
+                if (part == 0) {   // the first part's P^T made while dP^T ran
+                    wgmma_wait<0>();
+                    wgmma_fence_operands(dpt_flat);
+#pragma unroll
+                    for (int nt = 0; nt < PT; ++nt) ds_of(nt);
+                }
+            }
+            // dV += P^T dO and dK += dS^T Q over the part's queries (B MN-major: 16 queries =
+            // 2048 bytes of a chunk).
+            wgmma_fence();
 #pragma unroll
             for (int c = 0; c < Halves; ++c)
 #pragma unroll
-                for (int kk = (Parts - 1) * PT / 2; kk < NT / 2; ++kk)
-                    wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
-                                   sw128_desc(bQ, 2 * c * QChunk + 2048 * kk), true);
-            wgmma_commit();
-            wgmma_wait<1>();
-            wgmma_fence_operands(dq);
-            // Each warp's 16 rows into its own stage, added to the buffer in the next step, behind
-            // its products (push_dq): the warpgroup's columns, those of them the buffer has (the
-            // bucket's: 96 in the 128 kernel, 32 in the 64 one).
-            stage = mydQ;
-            if constexpr (DqT) {
-                const int col = dq_chunk * DQ_N + 16 * wq;
-                gdq = p.dq_accum + accum_strip_block(seq, h, static_cast<unsigned>(m0) / 16, col / 16);
-                dq_valid = col < p.dq_accum_cols ? 2 * min(Br / 16, (seq.seqlen_q() - m0 + 15) / 16) : 0;
-            } else {
-                gdq = dq_tile(p, seq, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);
-                order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
-            }
-            stage_dq_rows<DqT ? Br / 8 : DQ_N / 8, 0>(stage, dq, lane);
-            wgmma_wait<0>();
-            wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
-            wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
-            mbar_arrive(&bar.qd_empty[buf]);
-        }
-        if (gdq) push_dq();
-        if (lane == 0) bulk_wait<0>();
-
-        // Both warpgroups' products are done with K and V, and the last adds have read the dQ
-        // stages: the next key block's K and V are copied while dK = scale * dk and dV leave
-        // through the warpgroup's part of sOut by bulk stores (rows past seqlen_k and columns
-        // past the head dim clipped).
-        named_bar_sync(6, Consumers);
-        }
-        if (threadIdx.x == 0 && more(n + 1)) copy_kv(tile(n + 1));
-        const BlockCoord at = tile(n);
-        if (idle(at)) continue;   // counted by the producer
-        const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
-        const int col0 = at.tile * Bc;
-        u16* stK = sOut + wg * Halves * Sub;
-        u16* stV = sOut + (2 + wg) * Halves * Sub;
-        const float scale = static_cast<float>(p.scale);
-        stage_swizzled<Elem, 64>(stK, 16 * wq, lane, dk, [=](int, int) { return scale; });
-        stage_swizzled<Elem, 64>(stV, 16 * wq, lane, dv, [](int, int) { return 1.f; });
-        fence_proxy_async();
-        named_bar_sync(4 + wg, 128);
-        const int my_col0 = col0 + 64 * wg;
-        if (seq.k_rows_own(my_col0, 64)) {
-            if (threadIdx.x % 128 == 0) {
-#pragma unroll
-                for (int c = 0; c < Halves; ++c) {
-                    tma_store_4d(tp.dk, 64 * c, at.head, seq.k_map_row(my_col0), seq.map_batch(), stK + c * Sub);
-                    tma_store_4d(tp.dv, 64 * c, at.head, seq.k_map_row(my_col0), seq.map_batch(), stV + c * Sub);
+                for (int kk = nt0 / 2; kk < (nt0 + PT) / 2; ++kk) {
+                    wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dv[0][8 * c]), pa[kk],
+                                   sw128_desc(bdO, 2 * c * QChunk + 2048 * kk), true);
+                    if (part < Parts - 1)   // the last part's dK: after dQ's product, below
+                        wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
+                                       sw128_desc(bQ, 2 * c * QChunk + 2048 * kk), true);
                 }
-                bulk_commit();
-                bulk_wait<0>();
-            }
-        } else {
-            const int rows = seq.seqlen_k() - my_col0, tid = threadIdx.x % 128;
-            copy_stage_rows<Halves, 128>(stK, seq.template k_row<u16>(p.dk, at.head, my_col0), p.dk.row_stride, rows,
-                                         p.headdim, tid);
-            copy_stage_rows<Halves, 128>(stV, seq.template k_row<u16>(p.dv, at.head, my_col0), p.dv.row_stride, rows,
-                                         p.headdim, tid);
+            wgmma_commit();
         }
-        if constexpr (!V::Causal) block_done(tp, at);
+        // dQ (64 queries x DQ_N columns) += dS K over all 128 keys of the block, once both
+        // warpgroups' dS^T tiles are in shared memory: half the fp32 traffic of each warpgroup
+        // adding its own keys' share over the whole head dim. DqT: dQ^T (the warpgroup's 64
+        // columns x Br queries) = K^T dS^T.
+        fence_proxy_async();
+        named_bar_sync(6, Consumers);
+        float dq[DqT ? Br / 2 : DQ_N / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const auto k_desc = sw128_desc(sK + dq_chunk * Sub, 2 * kh * Halves * Sub + 2048 * kk);
+                if constexpr (DqT)
+                    wgmma_ss_tn<Elem>(dq, k_desc, sw128_desc(dSt, 2 * kh * Br * 64 + 32 * kk), kh + kk > 0);
+                else
+                    wgmma_ss_tt<Elem>(dq, sw128_desc(dSt + 2 * dq_q * Sub, 2 * kh * Sub + 2048 * kk), k_desc, kh + kk > 0);
+            }
+        wgmma_commit();
+        // The last part's dK product runs while dQ is staged (the tensor cores idled through
+        // the stores of the stage before): at d = 64 1-2% faster, at d = 128 within 1%; the
+        // dK of more parts there measured no better (benchmarks/NOTES.md).
+#pragma unroll
+        for (int c = 0; c < Halves; ++c)
+#pragma unroll
+            for (int kk = (Parts - 1) * PT / 2; kk < NT / 2; ++kk)
+                wgmma_rs<Elem>(reinterpret_cast<float(&)[32]>(dk[0][8 * c]), dsa[kk],
+                               sw128_desc(bQ, 2 * c * QChunk + 2048 * kk), true);
+        wgmma_commit();
+        wgmma_wait<1>();
+        wgmma_fence_operands(dq);
+        // Each warp's 16 rows into its own stage, added to the buffer in the next step, behind
+        // its products (push_dq): the warpgroup's columns, those of them the buffer has (the
+        // bucket's: 96 in the 128 kernel, 32 in the 64 one).
+        stage = mydQ;
+        if constexpr (DqT) {
+            const int col = dq_chunk * DQ_N + 16 * wq;
+            gdq = p.dq_accum + accum_strip_block(seq, h, static_cast<unsigned>(m0) / 16, col / 16);
+            dq_valid = col < p.dq_accum_cols ? 2 * min(Br / 16, (seq.seqlen_q() - m0 + 15) / 16) : 0;
+        } else {
+            gdq = dq_tile(p, seq, h, m0 + 64 * dq_q + 16 * wq, dq_chunk * DQ_N);
+            order = tp.dq_order ? tp.dq_order + dq_order_at(p, seq.b, h, m0 / 64) : nullptr;
+        }
+        stage_dq_rows<DqT ? Br / 8 : DQ_N / 8, 0>(stage, dq, lane);
+        wgmma_wait<0>();
+        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dk));
+        wgmma_fence_operands(reinterpret_cast<float(&)[4 * DT]>(dv));
+        mbar_arrive(&bar.qd_empty[buf]);
     }
+    if (g > 0) push_dq();
+    if (lane == 0) bulk_wait<0>();
+
+    // dK = scale * dk and dV through the warpgroup's K and V tiles (once both warpgroups' dQ
+    // products are done with them) to bulk stores; rows past seqlen_k and columns past the
+    // head dim are clipped.
+    u16* stK = sK + wg * Halves * Sub;
+    u16* stV = sV + wg * Halves * Sub;
     mod.flush_grads();
+    named_bar_sync(6, Consumers);
+    const float scale = static_cast<float>(p.scale);
+    stage_swizzled<Elem, 64>(stK, 16 * wq, lane, dk, [=](int, int) { return scale; });
+    stage_swizzled<Elem, 64>(stV, 16 * wq, lane, dv, [](int, int) { return 1.f; });
+    fence_proxy_async();
+    named_bar_sync(4 + wg, 128);
+    const int my_col0 = col0 + 64 * wg;
+    if (seq.k_rows_own(my_col0, 64)) {
+        if (threadIdx.x % 128 == 0) {
+#pragma unroll
+            for (int c = 0; c < Halves; ++c) {
+                tma_store_4d(tp.dk, 64 * c, at.head, seq.k_map_row(my_col0), seq.map_batch(), stK + c * Sub);
+                tma_store_4d(tp.dv, 64 * c, at.head, seq.k_map_row(my_col0), seq.map_batch(), stV + c * Sub);
+            }
+            bulk_commit();
+            bulk_wait<0>();
+        }
+    } else {
+        const int rows = seq.seqlen_k() - my_col0, tid = threadIdx.x % 128;
+        copy_stage_rows<Halves, 128>(stK, seq.template k_row<u16>(p.dk, at.head, my_col0), p.dk.row_stride, rows,
+                                     p.headdim, tid);
+        copy_stage_rows<Halves, 128>(stV, seq.template k_row<u16>(p.dv, at.head, my_col0), p.dv.row_stride, rows,
+                                     p.headdim, tid);
+    }
+    if constexpr (!V::Causal) block_done(tp, at);
 }
 
 // The dK/dV pass at head dim 256 (buckets 160 to 256), where one warpgroup's dK and dV for 64
@@ -768,9 +689,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 
     if (threadIdx.x >= Consumers) {
         setmaxnreg_dec<24>();
-        int g = 0;
-        if (bwd_sm90_producing())
-            bwd_sm90_produce<Stages, Br, 1, Chunks>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar, true, g);
+        bwd_sm90_produce<Stages, Br, 1, Chunks>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar);
         return;
     }
     setmaxnreg_inc<240>();

@@ -803,13 +803,12 @@ def kernel_family(spec, block_mask, *arrays):
 
 
 # cuda/bwd_sm90.cu's parameters: the tensor maps of q, k, v, dout, dk and dv, BwdParams, the
-# deterministic dQ's counters (or 0), the counts of finished blocks (or 0), and the grid of key
-# blocks that a persistent pass walks (``sm90_bwd_persistent``).
+# deterministic dQ's counters (or 0) and the counts of finished blocks (or 0).
 _AFTER_BWD = _config.cdiv(6 * _MAP + BWD_PARAMS.itemsize, 8) * 8
-BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base", "dq_order", "dq_done", "grid"],
-                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS, np.uint64, np.uint64, (np.int32, 3)],
-                            "offsets": [i * _MAP for i in range(7)] + [_AFTER_BWD, _AFTER_BWD + 8, _AFTER_BWD + 16],
-                            "itemsize": _config.cdiv(_AFTER_BWD + 16 + 12, 64) * 64})
+BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base", "dq_order", "dq_done"],
+                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS, np.uint64, np.uint64],
+                            "offsets": [i * _MAP for i in range(7)] + [_AFTER_BWD, _AFTER_BWD + 8],
+                            "itemsize": _config.cdiv(_AFTER_BWD + 16, 64) * 64})
 SM90_BWD_KEYS = 128
 
 
@@ -873,14 +872,6 @@ def sm90_bwd_rows_of_variant(hd, spec):
     seqlen_q = max(SM90_BWD_CAUSAL_80_FROM, SM90_BWD_LOCAL_80_FROM)
     wide = dataclasses.replace(spec, window=(seqlen_q, 0)) if spec.local else spec
     return sorted({sm90_bwd_rows(hd), sm90_bwd_rows(hd, wide, seqlen_q=seqlen_q)})
-
-
-def sm90_bwd_persistent(spec, hd):
-    """Whether the Hopper dK/dV pass is persistent (cuda/bwd_sm90.cu's flash_bwd_sm90_kernel:
-    head dims 64 and 128, without ALiBi): one block per SM at most, block i taking key blocks i,
-    i + blocks, ... of the grid (``BWD_SM90_PARAMS``'s grid holds its x, x * y and x * y * z);
-    else one block per key block."""
-    return hd < 256 and not spec.alibi
 
 
 def _bwd_sm90_name(spec, hd, rows):
@@ -982,10 +973,6 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
     grid = _tile_grid(p, tiles, hk, b, spec.causal, pair_bytes)
     tp["base"] = p
     tp["dq_done"] = done
-    if sm90_bwd_persistent(spec, hd):
-        gx, gy, gz = grid
-        tp["grid"] = (gx, gx * gy, gx * gy * gz)
-        grid = (min(gx * gy * gz, _sm_count()), 1, 1)
     if deterministic:
         order = zeros((b, h, _config.cdiv(sq, 64)), np.int32)   # per 64 rows
         tp["dq_order"] = order.data.ptr

@@ -672,37 +672,3 @@ def test_sm90_deterministic_backward_repeats_bit_for_bit(case, request):
     gpu_checks.assert_bit_identical_grads(runs[0], runs[2])
     variant = {"softcap": kw["softcap"]} if "softcap" in kw else {}
     gpu_checks.check_backward(checked, dout, q, k, v, runs[0], scale, out=out, lse=lse, **variant)
-
-
-# The persistent passes (the forward, and the dK/dV pass at head dims 64 and 128 without ALiBi)
-# with three blocks, as if the GPU had three SMs: each block takes many tiles, so that every
-# buffer's phases run on across tiles, the next key block's K and V land under the last one's
-# stores, idle tiles (a causal launch group's short end, packed sequences' ends) keep the
-# phases in step, and deterministic dQ's key blocks wait on blocks held by other thread blocks.
-@pytest.mark.gpu
-@pytest.mark.parametrize("how", [
-    ("bf16", (2, 700, 900, 4, 2, 128, {})),                                  # 80-query steps
-    ("fp16", (3, 500, 640, 6, 2, 64, dict(causal=True))),                   # launch groups, GQA
-    ("bf16", (2, 300, 600, 4, 2, 128, dict(block_mask="sliding"))),
-    ("fp16", (1, 600, 600, 4, 4, 128, dict(window_size=(100, 0), softcap=4.0))),
-    ("bf16", (2, 333, 300, 4, 2, 128, dict(alibi=True))),                   # a block per key block
-    ("deterministic", (2, 257, 640, 2, 2, 128, dict(causal=True, softcap=5.0))),
-    ("deterministic", (1, 513, 1025, 4, 1, 96, {})),
-    ("packed", ("bf16", 64, 2, True)),
-    ("packed", ("fp16", 128, 4, False)),
-], ids=lambda h: h[0] + "-" + "-".join(map(str, h[1][:6])))
-def test_sm90_persistent_passes_with_three_blocks(how, request, monkeypatch):
-    import cupy
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("needs an sm_90 GPU")
-    monkeypatch.setenv("CUPYFLASH_LAUNCH_PLANS", "0")   # a plan keeps the grid it was made with
-    monkeypatch.setattr(_launch, "_sm_count", lambda: 3)
-    kind, case = how
-    if kind == "deterministic":
-        test_sm90_deterministic_backward_repeats_bit_for_bit(case, request)
-    elif kind == "packed":
-        import test_varlen
-        dtype, d, hk, causal = case
-        test_varlen.test_gpu_packed_matches_reference(dtype, d, hk, causal, False, request)
-    else:
-        test_sm90_backward_matches_the_reference(case, kind, request)
