@@ -117,20 +117,29 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr int QBufs = Persistent ? 2 : 1, QTile = Groups * Halves * SubQ;
     __shared__ unsigned long long q_full[QBufs], q_empty[QBufs], k_full[Stages], v_full[Stages], k_empty[Stages],
         v_empty[Stages];
-    __shared__ int tile_slot[QBufs];   // the tile whose Q the producer loads: written before q_full's arrival
+    // The tile whose Q the producer loads (-1: no more), written before q_full's arrival. Causal
+    // and mask_mod kernels: with its coordinates, which only the producer decodes (their
+    // launch groups' decoding in each consumer measured 1-2% slower; in the others the
+    // consumers' own decoding of w measured faster than reading coordinates: benchmarks/NOTES.md).
+    constexpr bool SlotCoord = V::Causal || V::UserMask;
+    __shared__ int tile_slot[QBufs];
+    __shared__ BlockCoord tile_at[QBufs];
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
     u16* sK = sQ + QBufs * QTile;
     u16* sV = sK + Stages * Halves * SubKV;
     u16* sO = OwnStage ? sV + Stages * Halves * SubKV : sQ;
 
-    // Tile w of the grid; causal: the last query blocks see the most keys.
+    // Tile w of the grid; causal, and in the launch groups of a mask_mod's block mask whose later
+    // rows see more blocks (_launch.sm90_grouped): the last query blocks see the most keys.
     const int gx = tp.grid[0], gxy = gx * tp.grid[1], n_work = gxy * tp.grid[2];
     const int n_tiles = (p.seqlen_q + Br - 1) / Br;
     const int lead = EndAligned ? (n_tiles * Br - p.seqlen_q) / 64 * 64 : 0;
     auto first_row = [&](const BlockCoord& at) { return at.tile * Br - lead; };   // the tile's row0
     auto tile = [&](int w) {
-        return block_coord_at<V::Causal>(p, p.nheads, [&](int i) { return n_tiles - 1 - i; }, w % gx, w % gxy / gx,
-                                      w / gxy);
+        auto longest_first = [&](int i) { return n_tiles - 1 - i; };
+        return V::Causal || (V::UserMask && p.launch_group > 0)
+                   ? block_coord_at<true>(p, p.nheads, longest_first, w % gx, w % gxy / gx, w / gxy)
+                   : block_coord_at<false>(p, p.nheads, longest_first, w % gx, w % gxy / gx, w / gxy);
     };
     // No work: past the grid's end (its last group of heads may be short), or past the end of
     // a packed sequence (the grid covers the longest).
@@ -185,6 +194,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 return;
             }
             const BlockCoord at = tile(w);
+            if (SlotCoord) tile_at[qb] = at;
             const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
             const int h = at.head, hk = h / p.group;
             mask.at_head(at.batch, h);
@@ -299,7 +309,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             if (wg == 0 && turns_started) my_turn();   // the last tile's final hand-on
             break;
         }
-        const BlockCoord at = tile(w);
+        const volatile BlockCoord& slot = tile_at[qb];
+        const BlockCoord at = SlotCoord ? BlockCoord{slot.tile, slot.head, slot.batch} : tile(w);
         const SeqInfo<FwdParams, V::Seq> seq(p, at.batch);
         const int h = at.head, row0 = first_row(at);
         mask.at_head(at.batch, h);

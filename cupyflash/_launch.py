@@ -991,6 +991,16 @@ def sm90_fwd_l2_part(hd):
     return 2 if hd > 128 else 1
 
 
+def sm90_grouped(spec, block_mask):
+    """Whether the Hopper forward draws a mask_mod's tiles in launch groups, longest first
+    (``_tile_grid``), as a causal call's: where its block mask's later rows never see fewer
+    blocks than earlier ones, in every head, and some see more (a mask_mod spelling causal or
+    prefix-LM). Drawn in row order, head after head, such a mask's last heads' longest tiles
+    ran alone at the end (benchmarks/NOTES.md, thirty-ninth session). Only the mask_mod
+    kernels decode launch groups without the causal flag: in the others that cost 1-3%."""
+    return bool(spec.mask_mod) and block_mask is not None and block_mask._rows_grow
+
+
 def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
     b, sq, sk = _dims(q, k, packed)
     h = q.shape[2]
@@ -1003,7 +1013,8 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
     tp = np.zeros((), FWD_SM90_PARAMS)
     # What a (head, batch) pair's tiles all read: K and V.
     pair_bytes = sk * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
-    tp["grid"] = _tile_grid(p, _config.cdiv(sq, rows), h, b, spec.causal, pair_bytes, sm90_fwd_l2_part(hd))
+    tp["grid"] = _tile_grid(p, _config.cdiv(sq, rows), h, b, spec.causal or sm90_grouped(spec, block_mask),
+                            pair_bytes, sm90_fwd_l2_part(hd))
     tp["base"] = p
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         tp[name] = _row_map(x, spec.dtype, keys if name in ("k", "v") else 64)

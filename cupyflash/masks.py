@@ -27,6 +27,7 @@ Builders (each returns a ``BlockMask``; ``block_size`` is 64 or 128, or a pair
 Masks combine with ``&`` (blocks kept by both) and ``|`` (blocks kept by either).
 """
 import collections
+import functools
 import numbers
 
 import numpy as np
@@ -250,6 +251,13 @@ class BlockMask(mods.Live):
         mask = cls.__new__(cls)
         mask._init(block_mask_bool, "block_mask_bool", block_size, seqlen_q, seqlen_k, causal)
         return mask
+
+    @functools.cached_property
+    def _rows_grow(self):
+        """Whether later query blocks never see fewer key blocks than earlier ones, in every
+        head, and some see more (causal-like: ``_launch.sm90_grouped``)."""
+        steps = np.diff(self.kv_counts, axis=1)
+        return bool((steps >= 0).all() and (steps > 0).any())
 
     # --- inspection --------------------------------------------------------------------------
 

@@ -658,3 +658,23 @@ def test_api_rejects_mismatched_mask():
         cf.flash_attention(q, k, v, block_mask=np.ones((2, 2), bool))
     with pytest.raises(ValueError, match="heads"):
         cf.flash_attention(q, k, v, block_mask=masks.random(100, 120, 0.5, 0, nheads=3))
+
+
+def test_hopper_forward_groups_mask_mods_whose_later_rows_see_more():
+    """``_launch.sm90_grouped``: a mask_mod's tiles are drawn longest first in launch groups
+    where no later query block of its block mask sees fewer key blocks than an earlier one and
+    some see more (causal-like), else in row order; without a mask_mod, in row order."""
+    from cupyflash import _launch
+    s = 1024
+    spec = _spec.CallSpec(dtype="bfloat16", headdim=128, mask_mod=True)
+    assert _launch.sm90_grouped(spec, masks.causal(s, s))
+    assert not _launch.sm90_grouped(_spec.CallSpec(dtype="bfloat16", headdim=128), masks.causal(s, s))
+    prefix = np.tri(8, dtype=bool)
+    prefix[:, :2] = True   # every row sees the first two blocks
+    assert _launch.sm90_grouped(spec, masks.BlockMask(prefix, seqlen_q=s, seqlen_k=s))
+    assert not _launch.sm90_grouped(spec, masks.BlockMask(np.ones((8, 8), bool), seqlen_q=s, seqlen_k=s))
+    shrinking = np.tri(8, dtype=bool)[::-1]
+    assert not _launch.sm90_grouped(spec, masks.BlockMask(shrinking, seqlen_q=s, seqlen_k=s))
+    per_head = np.stack([np.tri(8, dtype=bool), np.tri(8, dtype=bool)[::-1]])
+    assert not _launch.sm90_grouped(spec, masks.BlockMask(per_head, seqlen_q=s, seqlen_k=s))
+    assert not _launch.sm90_grouped(spec, None)
