@@ -470,24 +470,38 @@ def test_readme_end_aligned_tile_gains_are_the_cited_run():
         assert (f"{min(cell):.1f}", f"{max(cell):.1f}") == (lo, hi), k
 
 
+def test_readme_mask_mod_groups_gain_is_the_cited_run():
+    """The Hopper forward's launch groups for causal-like mask_mods: the gain at 8K read from
+    the A/B the README names."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"a causal or prefix-LM mask_mod at 8K ([\d.-]+)% faster, `(benchmarks/results/[^`]+\.json)`", text)
+    gains = [g for (cell,), g in _tree_gains(m.group(2), "new").items()
+             if cell.split(":")[1] == "8192" and cell.endswith((":user_causal", ":prefix_lm"))]
+    assert len(gains) == 2
+    assert m.group(1) == _spread(gains, ".1f")
+
+
 def test_readme_user_mod_speed_is_the_cited_run():
     """The user mods' speed bullet: every ratio and time read from the bench_variants JSON it
     names (d=128, 8K)."""
     text = (ROOT / "README.md").read_text()
     start = text.index("- **Speed** (H200, bf16, d=128, 8K; `benchmarks/bench_variants.py")
     bullet = " ".join(text[start:text.index("- **Adapters**", start)].split())
-    path, costs_path, pivot_path, grads_path, before_path, doc_path = re.findall(
+    path, mask_path, costs_path, pivot_path, grads_path, before_path, doc_path = re.findall(
         r"`(benchmarks/results/[^`]+\.json)`", bullet)
 
     def rows(path):
         return json.loads((ROOT / path).read_text())["rows"]
 
-    ms = {(r["impl"], r["rule"], r["causal"], r["pass"]): r["ms"] for r in rows(path) if r.get("ms")}
+    def times(path):
+        return {(r["impl"], r["rule"], r["causal"], r["pass"]): r["ms"] for r in rows(path) if r.get("ms")}
 
-    def ours(rule, causal, pass_):
+    ms, mask_ms = times(path), times(mask_path)
+
+    def ours(rule, causal, pass_, ms=ms):
         return ms[("cupyflash", rule, causal, pass_)]
 
-    mask = [ours("user_causal", False, p) / ours("plain", True, p) for p in ("fwd", "bwd")]
+    mask = [ours("user_causal", False, p, mask_ms) / ours("plain", True, p, mask_ms) for p in ("fwd", "bwd")]
     assert (f"A mask_mod spelling causal takes {mask[0]:.2f}x the forward time of `causal=True` "
             f"and {mask[1]:.2f}x its backward") in bullet
     alibi = {p: [ours("user_alibi", c, p) / ours("alibi", c, p) for c in (False, True)] for p in ("fwd", "bwd")}
