@@ -121,7 +121,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // and mask_mod kernels: with its coordinates, which only the producer decodes (their
     // launch groups' decoding in each consumer measured 1-2% slower; in the others the
     // consumers' own decoding of w measured faster than reading coordinates: benchmarks/NOTES.md).
-    constexpr bool SlotCoord = V::Causal || V::UserMask;
+    constexpr bool SlotCoord = V::Band || V::UserMask;
     __shared__ int tile_slot[QBufs];
     __shared__ BlockCoord tile_at[QBufs];
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
