@@ -374,9 +374,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sdSt = sdO + Stages * Halves * QChunk;
     float* sdQ = reinterpret_cast<float*>(sdSt + 2 * 2 * Br * 64);
 
-    // Causal: the first key blocks are seen by the most queries.
+    // Causal, and in the launch groups of a mask_mod's block mask whose later key blocks are
+    // seen by fewer rows (_launch.sm90_grouped): the first key blocks are seen by the most
+    // queries.
     if constexpr (!V::Causal) launch_dependents();
-    const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
+    const BlockCoord at = block_coord<V::Causal || V::UserMask>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     const int n_tile = at.tile, col0 = n_tile * Bc;
@@ -672,7 +674,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sTiles = sdO + Stages * Chunks * Sub;   // step g's P^T and dS^T: tiles 2 t and 2 t + 1, t = g % 2
 
     if constexpr (!V::Causal) launch_dependents();
-    const BlockCoord at = block_coord<V::Causal>(p, p.nheads_k, [](int i) { return i; });
+    const BlockCoord at = block_coord<V::Causal || V::UserMask>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
     const int n_tile = at.tile, col0 = n_tile * Bc;

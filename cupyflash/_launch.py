@@ -970,7 +970,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
     tiles = _config.cdiv(sk, keys)
     # What a (kv head, batch) pair's blocks all read: its query heads' Q, dO and fp32 dQ.
     pair_bytes = sq * (h // hk) * (q.shape[3] * q.itemsize + dout.shape[3] * dout.itemsize + q.shape[3] * 4)
-    grid = _tile_grid(p, tiles, hk, b, spec.causal, pair_bytes)
+    grid = _tile_grid(p, tiles, hk, b, spec.causal or sm90_grouped(spec, block_mask, backward=True), pair_bytes)
     tp["base"] = p
     tp["dq_done"] = done
     if deterministic:
@@ -991,14 +991,17 @@ def sm90_fwd_l2_part(hd):
     return 2 if hd > 128 else 1
 
 
-def sm90_grouped(spec, block_mask):
-    """Whether the Hopper forward draws a mask_mod's tiles in launch groups, longest first
-    (``_tile_grid``), as a causal call's: where its block mask's later rows never see fewer
-    blocks than earlier ones, in every head, and some see more (a mask_mod spelling causal or
-    prefix-LM). Drawn in row order, head after head, such a mask's last heads' longest tiles
-    ran alone at the end (benchmarks/NOTES.md, thirty-ninth session). Only the mask_mod
-    kernels decode launch groups without the causal flag: in the others that cost 1-3%."""
-    return bool(spec.mask_mod) and block_mask is not None and block_mask._rows_grow
+def sm90_grouped(spec, block_mask, backward=False):
+    """Whether a Hopper pass draws a mask_mod's tiles in launch groups, longest first
+    (``_tile_grid``), as a causal call's: in the forward where its block mask's later rows
+    never see fewer blocks than earlier ones, in every head, and some see more (a mask_mod
+    spelling causal or prefix-LM); in the dK/dV pass where its later key blocks are never seen
+    by more rows and some by fewer. Drawn in order, head after head, such a mask's last heads'
+    longest tiles ran alone at the end (benchmarks/NOTES.md, thirty-ninth session). Only the
+    mask_mod kernels decode launch groups without the causal flag: in the others that cost 1-3%."""
+    if not spec.mask_mod or block_mask is None:
+        return False
+    return block_mask._cols_shrink if backward else block_mask._rows_grow
 
 
 def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):

@@ -162,6 +162,13 @@ def _read_only(a):
 
 # ---------------------------------------------------------------------------------------------
 
+def _only_grows(counts):
+    """Whether each row of ``counts`` (heads, blocks) never falls along the blocks, and some
+    row rises."""
+    steps = np.diff(counts, axis=1)
+    return bool((steps >= 0).all() and (steps > 0).any())
+
+
 class BlockMask(mods.Live):
     """A block-level attention mask, shared by all heads (``heads == 1``) or one per head.
 
@@ -256,8 +263,13 @@ class BlockMask(mods.Live):
     def _rows_grow(self):
         """Whether later query blocks never see fewer key blocks than earlier ones, in every
         head, and some see more (causal-like: ``_launch.sm90_grouped``)."""
-        steps = np.diff(self.kv_counts, axis=1)
-        return bool((steps >= 0).all() and (steps > 0).any())
+        return _only_grows(self.kv_counts)
+
+    @functools.cached_property
+    def _cols_shrink(self):
+        """Whether later key blocks are never seen by more query blocks than earlier ones, in
+        every head, and some by fewer (causal-like: ``_launch.sm90_grouped``)."""
+        return _only_grows(-self.q_counts)
 
     # --- inspection --------------------------------------------------------------------------
 

@@ -660,10 +660,11 @@ def test_api_rejects_mismatched_mask():
         cf.flash_attention(q, k, v, block_mask=masks.random(100, 120, 0.5, 0, nheads=3))
 
 
-def test_hopper_forward_groups_mask_mods_whose_later_rows_see_more():
-    """``_launch.sm90_grouped``: a mask_mod's tiles are drawn longest first in launch groups
-    where no later query block of its block mask sees fewer key blocks than an earlier one and
-    some see more (causal-like), else in row order; without a mask_mod, in row order."""
+def test_hopper_passes_group_mask_mods_whose_tiles_are_causal_like():
+    """``_launch.sm90_grouped``: a mask_mod's forward tiles are drawn longest first in launch
+    groups where no later query block of its block mask sees fewer key blocks than an earlier
+    one and some see more, its dK/dV pass's where no later key block is seen by more query
+    blocks and some by fewer (causal-like), else in order; without a mask_mod, in order."""
     from cupyflash import _launch
     s = 1024
     spec = _spec.CallSpec(dtype="bfloat16", headdim=128, mask_mod=True)
@@ -678,3 +679,15 @@ def test_hopper_forward_groups_mask_mods_whose_later_rows_see_more():
     per_head = np.stack([np.tri(8, dtype=bool), np.tri(8, dtype=bool)[::-1]])
     assert not _launch.sm90_grouped(spec, masks.BlockMask(per_head, seqlen_q=s, seqlen_k=s))
     assert not _launch.sm90_grouped(spec, None)
+    # The dK/dV pass: the key blocks' counts of query blocks.
+    for mask in (masks.causal(s, s), masks.BlockMask(prefix, seqlen_q=s, seqlen_k=s)):
+        assert _launch.sm90_grouped(spec, mask, backward=True)
+    upper = np.tri(8, dtype=bool).T   # later key blocks seen by more rows: rows shrink too
+    for mask in (masks.BlockMask(upper, seqlen_q=s, seqlen_k=s), masks.BlockMask(np.ones((8, 8), bool), seqlen_q=s, seqlen_k=s)):
+        assert not _launch.sm90_grouped(spec, mask, backward=True)
+    per_head = np.stack([np.tri(8, dtype=bool), upper])
+    assert not _launch.sm90_grouped(spec, masks.BlockMask(per_head, seqlen_q=s, seqlen_k=s), backward=True)
+    # Rows that grow by keys on the left: the last key blocks are seen by the most rows.
+    left = np.tri(8, dtype=bool)[:, ::-1]
+    assert _launch.sm90_grouped(spec, masks.BlockMask(left, seqlen_q=s, seqlen_k=s))
+    assert not _launch.sm90_grouped(spec, masks.BlockMask(left, seqlen_q=s, seqlen_k=s), backward=True)
