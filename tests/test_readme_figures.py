@@ -479,6 +479,13 @@ def test_readme_mask_mod_groups_gain_is_the_cited_run():
              if cell.split(":")[1] == "8192" and cell.endswith((":user_causal", ":prefix_lm"))]
     assert len(gains) == 2
     assert m.group(1) == _spread(gains, ".1f")
+    m = re.search(r"backward at d=128 up to ([\d.]+)% faster from 4K to 16K and ([\d.]+)% slower at 2K, "
+                  r"`(benchmarks/results/[^`]+\.json)`", text)
+    gains = [(int(cell.split(":")[1]), g) for (cell,), g in _tree_gains(m.group(3), "new").items()
+             if cell.startswith("128:")]
+    assert m.group(1) == f"{max(g for s, g in gains if s >= 4096):.1f}"
+    (short,) = [g for s, g in gains if s == 2048]
+    assert m.group(2) == f"{-short:.1f}" and short < 0
 
 
 def test_readme_user_mod_speed_is_the_cited_run():
