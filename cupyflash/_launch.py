@@ -604,13 +604,14 @@ def _generic_smem(d_bucket, itemsize):
     return 2 * _config.GENERIC_CHUNK * (d_bucket + 1) * itemsize
 
 
-def _tile_grid(p, tiles, heads, batch, causal, pair_bytes=0, l2_part=1):
+def _tile_grid(p, tiles, heads, batch, longest_first, pair_bytes=0, l2_part=1):
     """The grid of a tensor-core pass over tiles x heads x batch (block_coord in
-    cuda/block_iter.cuh). A causal pass gets (group, tiles, groups), which starts the long
+    cuda/block_iter.cuh). A pass whose tiles differ in length (``longest_first``: causal, or a
+    causal-like mask_mod, ``sm90_grouped``) gets (group, tiles, groups), which starts the long
     tiles of a group of (head, batch) pairs before its short ones (``_launch_group`` pairs;
     ``pair_bytes`` and ``l2_part`` as there)."""
     p["launch_group"] = 0
-    if not causal:
+    if not longest_first:
         return (tiles, heads, batch)
     pairs = heads * batch
     group = _launch_group(pairs, tiles, pair_bytes, l2_part)
