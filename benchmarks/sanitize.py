@@ -173,8 +173,8 @@ CASES = (
          alibi=True),
     Case("fp16", 257, 300, 64, False, window=(40, 30), alibi=True),
     Case("bf16", 130, 97, 96, False, batch=2, softcap=5.0),
-    # softcap alone in bf16: the fixed softmax base (d=256 on the Hopper kernels, d <= 128 on
-    # the generic ones); rows without keys.
+    # softcap alone in bf16: the fixed softmax base (the Hopper forward above head dim 128);
+    # rows without keys.
     Case("bf16", 200, 129, 256, True, nheads=4, nheads_k=2, softcap=4.0),
     Case("fp16", 97, 130, 256, True, softcap=20.0, alibi=True),
     Case("bf16", 200, 130, 64, False, block=(64, 64), softcap=3.0, alibi=True),

@@ -114,9 +114,9 @@ __device__ __forceinline__ void stage_swizzled(u16* stage, int wrow, int lane, c
 // l of the warp's 16 rows from wrow into a swizzled stage of Rows rows, lse of the valid rows
 // straight to memory. row0 is the stage's first row in the sequence. Stores by stmatrix (sm_90):
 // two n8 tiles of the warp's 16 rows, 16-byte rows of four 8 x 8 matrices, per instruction.
-template <typename Elem, int Rows, int MT, int DT, int Chains, typename Seq>
+template <typename Elem, int Rows, int MT, int DT, int Chains, bool Fixable, typename Seq>
 __device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const Seq& seq, int h, int row0,
-                                                   int wrow, int lane, OnlineSoftmax<2 * MT, Chains, Elem>& softmax, float mult,
+                                                   int wrow, int lane, OnlineSoftmax<2 * MT, Chains, Elem, Fixable>& softmax, float mult,
                                                    const float (&acc)[MT][DT][4], u16* stage) {
     static_assert(MT == 1 && DT % 2 == 0, "a warp's 16 rows, tiles in pairs");
     float inv_l[2], lse[2];

@@ -78,6 +78,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // block's max (softmax_step below): with softcap that measured 5% slower, above head dim
     // 128 1% faster and it spilled.
     constexpr bool Speculate = Settled && HeadDim <= 128 && !V::Softcap;
+    // bf16 softcap alone above head dim 128, whose capped scores take the softmax's fixed base
+    // where the host allows it (ScoreMod::bounded): the sums of the p as rounded to bf16
+    // (softmax.cuh) come from the tensor cores, P times a column of ones (an m64n8k16 product
+    // beside each k16 step of P V), instead of being rounded and added per score in the
+    // softmax (3.5-3.9% faster). At 64 and 128 the running max stays: there the fixed base
+    // with these sums measured 10% slower at 64 and even at 128 (benchmarks/NOTES.md).
+    constexpr bool OnesSum = HeadDim > 128 && same_type<Elem, bf16> && V::Softcap && !V::Alibi && !V::UserScore;
     // The descriptors' two words joined (sm90.cuh) but at head dim 128.
     constexpr bool JoinedDesc = HeadDim != 128;
     // ALiBi's bias (ScoreMod::positional) is written into S's accumulators before Q K^T is
@@ -177,6 +184,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         }
         mbar_fence_init();
     }
+    // OnesSum's column of ones: 256 bf16 ones, written before any product may read them.
+    unsigned long long ones_desc = 0;
+    if constexpr (OnesSum) {
+        __shared__ alignas(128) u16 ones[256];
+        if (threadIdx.x < 256) {
+            ones[threadIdx.x] = 0x3f80;   // bf16 1.0
+            fence_proxy_async();
+        }
+        ones_desc = plain_desc(ones);
+    }
     __syncthreads();
 
     // Both sides count the tiles (t) and the key blocks (g) they have passed: block g goes
@@ -236,6 +253,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     const int wrow = warp * 16;   // warpgroup wg's rows are 64 wg .. 64 wg + 63
     const u16* myQ = sQ + wg * Halves * SubQ;   // in the tile's Q buffer
     float acc[1][DT][4];
+    float ones_acc[OnesSum ? 4 : 1];   // OnesSum: rows g and g + 8's sums of the rounded p
     float s[1][NT][4];
     float(&sflat)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(s);
     u32 pa[Bc / 16][4];   // P of the previous block as A fragments
@@ -277,6 +295,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         for (int kk = 0; kk < Bc / 16; ++kk)
             wgmma_rs<Elem>(reinterpret_cast<float(&)[4 * DT]>(acc), pa[kk],
                            sw128_desc<JoinedDesc>(sV + buf * Halves * SubKV, 2048 * kk, 2 * SubKV), true);
+        if constexpr (OnesSum)
+#pragma unroll
+            for (int kk = 0; kk < Bc / 16; ++kk) wgmma_rs<Elem>(ones_acc, pa[kk], ones_desc, true);
         wgmma_commit();
     };
     // P as A fragments: keys 16kk.. are the n8 tiles 2kk and 2kk + 1.
@@ -327,10 +348,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[0][dt][e] = 0.f;
-        OnlineSoftmax<2, 4, Elem> softmax;
-        // The fixed base (softmax.cuh) only above 128 columns: at 64 and 128 its second sum
-        // per score cost more than the max it saves (benchmarks/NOTES.md).
-        softmax.init(HeadDim > 128 && mod.bounded());
+        if constexpr (OnesSum)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ones_acc[e] = 0.f;
+        OnlineSoftmax<2, 4, Elem, OnesSum> softmax;
+        softmax.init(mod.bounded());   // the fixed base (softmax.cuh) where OnesSum
         // A user mask_mod's verdicts on block `it`, where it needs the mask: made while its
         // S = Q K^T is still running (the snippet's array reads waited for in the chain
         // between S and the softmax made a document mask's partial blocks ~6x the cost of
@@ -478,6 +500,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // Rows all before row 0 (EndAligned) store nothing.
         const int my_row0 = row0 + 64 * wg;
         const bool stored = !EndAligned || my_row0 >= 0;
+        if constexpr (OnesSum) {
+            wgmma_fence_operands(ones_acc);
+            const float sums[2] = {ones_acc[0], ones_acc[2]};
+            softmax.rounded_sums(sums);
+        }
         if (stored)
             fwd_stage_swizzled<Elem, 64>(p, seq, h, my_row0, wrow - 64 * wg, lane, softmax, mod.mult(), acc, myO);
         fence_proxy_async();

@@ -158,6 +158,14 @@ __device__ __forceinline__ unsigned long long sw128_desc(const void* tile, unsig
     return (hi | static_cast<unsigned long long>(atoms_apart >> 4) << 16) + (smem_addr(tile) >> 4) + (offset >> 4);
 }
 
+// The descriptor of a tile without swizzle whose 8 x 16-byte core matrices lie 128 bytes
+// apart in both directions: for an operand whose every element is the same (all ones), where
+// only which bytes are read matters, all of them within its first 256 bytes.
+__device__ __forceinline__ unsigned long long plain_desc(const void* tile) {
+    constexpr unsigned long long apart = 128 >> 4;
+    return apart << 32 | apart << 16 | (smem_addr(tile) >> 4);
+}
+
 // Orders this thread's register and shared-memory accesses before the next wgmma reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -168,6 +176,7 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // The accumulator registers of m64nNk16 (N / 2 floats per thread), as asm operand lists.
+#define CUPYFLASH_WGMMA_D4 "{%0, %1, %2, %3}"
 #define CUPYFLASH_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUPYFLASH_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define CUPYFLASH_WGMMA_D40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
@@ -178,6 +187,7 @@ __device__ __forceinline__ void wgmma_wait() {
 #define CUPYFLASH_WGMMA_OUT8(o) \
     "+f"(d[(o) + 0]), "+f"(d[(o) + 1]), "+f"(d[(o) + 2]), "+f"(d[(o) + 3]), "+f"(d[(o) + 4]), \
     "+f"(d[(o) + 5]), "+f"(d[(o) + 6]), "+f"(d[(o) + 7])
+#define CUPYFLASH_WGMMA_OUT4 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
 #define CUPYFLASH_WGMMA_OUT16 CUPYFLASH_WGMMA_OUT8(0), CUPYFLASH_WGMMA_OUT8(8)
 #define CUPYFLASH_WGMMA_OUT32 CUPYFLASH_WGMMA_OUT16, CUPYFLASH_WGMMA_OUT8(16), CUPYFLASH_WGMMA_OUT8(24)
 #define CUPYFLASH_WGMMA_OUT40 CUPYFLASH_WGMMA_OUT32, CUPYFLASH_WGMMA_OUT8(32)
@@ -211,7 +221,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[D], unsigned long long a, un
 // holds rows 16w..16w+15: a[0] row g, columns 2t, 2t+1; a[1] row g + 8; a[2] and a[3] the same
 // rows, columns + 8; 16-bit pairs), and B (16 x 2D) MN-major in shared memory (row k holds the
 // N-elements of K index k: the layout the copy engine gives V, 64 columns per atom), `b` its
-// descriptor; N = 64, 128, 192 or 256 by the size of d.
+// descriptor; N = 8, 64, 128, 192 or 256 by the size of d.
 template <typename Elem, int D>
 __device__ __forceinline__ void wgmma_rs(float (&d)[D], const u32 (&a)[4], unsigned long long b, bool accumulate);
 
@@ -281,6 +291,7 @@ __device__ __forceinline__ void wgmma_ss_bt(float (&d)[D], unsigned long long a,
                                             bool accumulate);
 CUPYFLASH_WGMMA_SS_PAIR(wgmma_ss_bt, 64, 128, "64", "65", "66", "0, 1")
 
+CUPYFLASH_WGMMA_RS_PAIR(4, 8, "4", "5", "6", "7", "8", "9")
 CUPYFLASH_WGMMA_RS_PAIR(32, 64, "32", "33", "34", "35", "36", "37")
 CUPYFLASH_WGMMA_RS_PAIR(64, 128, "64", "65", "66", "67", "68", "69")
 CUPYFLASH_WGMMA_RS_PAIR(96, 192, "96", "97", "98", "99", "100", "101")
@@ -289,12 +300,14 @@ CUPYFLASH_WGMMA_RS_PAIR(128, 256, "128", "129", "130", "131", "132", "133")
 #undef CUPYFLASH_WGMMA_SS_PAIR
 #undef CUPYFLASH_WGMMA_RS
 #undef CUPYFLASH_WGMMA_RS_PAIR
+#undef CUPYFLASH_WGMMA_D4
 #undef CUPYFLASH_WGMMA_D16
 #undef CUPYFLASH_WGMMA_D32
 #undef CUPYFLASH_WGMMA_D40
 #undef CUPYFLASH_WGMMA_D64
 #undef CUPYFLASH_WGMMA_D96
 #undef CUPYFLASH_WGMMA_D128
+#undef CUPYFLASH_WGMMA_OUT4
 #undef CUPYFLASH_WGMMA_OUT8
 #undef CUPYFLASH_WGMMA_OUT16
 #undef CUPYFLASH_WGMMA_OUT32

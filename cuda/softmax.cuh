@@ -7,11 +7,14 @@
 // log-sum-exp is in natural log: lse = (m * mult + log2(l)) / log2(e) (-inf for a row that
 // sees no key).
 //
-// Where the scores are bounded above (ScoreMod::bounded) and P is bf16, m stays at the fixed
-// base 0: p = exp2(s * mult), with no max reduced before the exponentials and no rescaling.
+// Where the scores are bounded above (ScoreMod::bounded), P is bf16 and the kernel allows it
+// (Fixable), m stays at the fixed base 0: p = exp2(s * mult), with no max reduced before the
+// exponentials and no rescaling.
 // The row's largest p is then not exactly 1, so its rounding to bf16 no longer cancels in
 // O / l (a row with one key would be off by that rounding): O is divided by the sum of the
-// rounded p (lr) that multiplied V, and the lse keeps the sum of the exact ones (l).
+// rounded p (lr) that multiplied V, and the lse keeps the sum of the exact ones (l). The
+// kernel has the tensor cores add the rounded p up (P times a column of ones, beside P V)
+// and gives the rows' sums (rounded_sums): rounded and added here, per score, they cost more.
 #pragma once
 #include "common.cuh"
 
@@ -38,15 +41,17 @@ __device__ __forceinline__ float chained_reduce(Get&& get, Op&& op) {
 // the chains' latency shows); 1: element after element (the generic kernels, whose other
 // warps hide it).
 // P: the 16-bit type the probabilities are rounded to before they multiply V.
-template <int Rows, int Chains = 1, typename P = fp16>
+// Fixable: the kernel may take the fixed base (its P is bf16, and it gives rounded_sums).
+template <int Rows, int Chains = 1, typename P = fp16, bool Fixable = false>
 struct OnlineSoftmax {
+    static_assert(!Fixable || same_type<P, bf16>, "the fixed base is bf16's");
     float m[Rows];    // running max of the raw scores of the row (0 where fixed)
     float l[Rows];    // this thread's part of the running sum (quad-reduced in finalize)
-    float lr[Rows];   // where fixed: its part of the sum of the p as rounded to P
-    bool fixed;       // the base is 0 throughout (compile-time false but for softcap in bf16)
+    float lr[Rows];   // where fixed: the row's sum of the p as rounded to P (rounded_sums)
+    bool fixed;       // the base is 0 throughout (Fixable, and the scores bounded at run time)
 
     __device__ __forceinline__ void init(bool bounded = false) {
-        fixed = same_type<P, bf16> && bounded;
+        fixed = Fixable && bounded;
 #pragma unroll
         for (int r = 0; r < Rows; ++r) { m[r] = fixed ? 0.f : neg_inf(); l[r] = lr[r] = 0.f; }
     }
@@ -58,8 +63,6 @@ struct OnlineSoftmax {
     template <int MT, int NT, int DT>
     __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
                                            float mult) {
-        if constexpr (same_type<P, bf16>)
-            if (fixed) return exponentiate_fixed(s, mult);
         float alpha[Rows], base[Rows];
         if (new_max(s, mult, alpha, base)) rescale(acc, alpha);
         exponentiate(s, mult, base);
@@ -73,7 +76,7 @@ struct OnlineSoftmax {
     // (on random scores a row's max moves at block j about once in j blocks).
     template <bool Settled, int MT, int NT>
     __device__ __forceinline__ bool step(float (&s)[MT][NT][4], float mult, float (&alpha)[Rows]) {
-        if constexpr (same_type<P, bf16>)
+        if constexpr (Fixable)
             if (fixed) {
                 exponentiate_fixed(s, mult);
                 return false;
@@ -206,24 +209,18 @@ struct OnlineSoftmax {
                     [](float a, float b) { return a + b; });
     }
 
-    // p = exp2(s * mult), its exact sum added to l; then p rounded to bf16 (as it will
-    // multiply V: the top half of its float) and the rounded sum added to lr.
+    // p = exp2(s * mult), its exact sum added to l.
     template <int MT, int NT>
     __device__ __forceinline__ void exponentiate_fixed(float (&s)[MT][NT][4], float mult) {
-        static_assert(same_type<P, bf16>, "the fixed base is bf16's");
         const float base[Rows] = {};
         exponentiate(s, mult, base);
+    }
+
+    // Where fixed: each row's sum of its p as rounded, from the tensor cores.
+    __device__ __forceinline__ void rounded_sums(const float (&sums)[Rows]) {
+        static_assert(Fixable, "only a kernel that may fix the base");
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; e += 2) {
-                    const u32 both = pack2<P>(s[mt][nt][e], s[mt][nt][e + 1]);
-                    s[mt][nt][e] = __uint_as_float(both << 16);
-                    s[mt][nt][e + 1] = __uint_as_float(both & 0xffff0000u);
-                }
-        add_row_sums(s, lr);
+        for (int r = 0; r < Rows; ++r) lr[r] = sums[r];
     }
 
     // Sum l over the quad; return 1/l per row (0 for a row without keys) and write the
@@ -239,7 +236,7 @@ struct OnlineSoftmax {
         for (int r = 0; r < Rows; ++r) {
             const float sum = quad_sum(l[r]);
             // Every lane shuffles (quad_sum): a row without keys must not skip it.
-            const float norm = fixed ? quad_sum(lr[r]) : sum;
+            const float norm = Fixable && fixed ? lr[r] : sum;
             const bool empty = sum == 0.f;
             if constexpr (Approx) {
                 inv_l[r] = empty ? 0.f : __fdividef(1.f, norm);

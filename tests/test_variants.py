@@ -228,19 +228,22 @@ def saturating_inputs(xp, case):
     return (*(xp.asarray(a) for a in arrays), None)
 
 
-# bf16 calls with softcap alone run the softmax on a fixed base where softcap * log2(e) <= 64
-# (cupyflash/_launch.py, BOUNDED_LOG2): p from 2^-64 to 2^64. 44 is near that end, 50 past it
-# (the running max), 0.05 the other end; fp16 always keeps the running max. The rows near
-# -softcap have lse near -softcap: fp16 at 44 and 50 made dk and dv NaN when the Hopper
-# backward gave the query rows past the end (a tile's tail) the last row's lse.
+# bf16 calls with softcap alone run the Hopper forward's softmax on a fixed base above head
+# dim 128 where softcap * log2(e) <= 64 (cupyflash/_launch.py, BOUNDED_LOG2): p from 2^-64 to
+# 2^64, O divided by the tensor cores' sum of the rounded p (rows of tied saturated scores
+# among them). 44 is near that end, 50 past it (the running max), 0.05 the other end; fp16
+# always keeps the running max, as head dims up to 128 do. The rows near -softcap have lse
+# near -softcap: fp16 at 44 and 50 made dk and dv NaN when the Hopper backward gave the query
+# rows past the end (a tile's tail) the last row's lse.
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("softcap", [0.05, 44.0, 50.0])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_softcap_scores_at_both_ends_of_the_cap_on_gpu(dtype, softcap, causal):
+def test_softcap_scores_at_both_ends_of_the_cap_on_gpu(dtype, softcap, causal, d):
     import cupy
     from gpu_checks import FP64_RTOL
-    case = Variant(2, 200, 300, 4, 2, 128, causal=causal, softcap=softcap, dtype=dtype, seed=31)
+    case = Variant(2, 200, 300, 4, 2, d, causal=causal, softcap=softcap, dtype=dtype, seed=31)
     check_case(cupy, case, f64_rel=FP64_RTOL, inputs=saturating_inputs(cupy, case))
 
 
