@@ -147,6 +147,10 @@ def ours_keywords(rule, nheads, seqlen=None):
         return dict(deterministic=True)
     if rule == "window":   # for ab_trees.py's cells; the window part here builds its own calls
         return dict(window_size=WINDOW)
+    if rule == "t5_offset":   # for ab_trees.py's cells: the README's relative bias, unclamped offsets
+        bias = cp.random.standard_normal((nheads, 2 * seqlen), dtype=cp.float32)
+        return dict(score_mod=cf.ScoreMod(f"score + bias[bias.offset(h, kv_idx - q_idx + {seqlen})]",
+                                          grad="dscore", arrays={"bias": bias}))
     if rule.startswith("window_"):   # window_LEFT_RIGHT, for ab_trees.py's cells
         return dict(window_size=tuple(int(x) for x in rule.split("_")[1:]))
     return {}

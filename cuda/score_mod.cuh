@@ -126,6 +126,36 @@ struct ScoreMod {
                 for (int e = 0; e < 4; ++e)
                     s[m][n][e] = user_score<Clamp>(s[m][n][e], at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e));
     }
+    // A snippet that reads a table per score (V::Mods::Gathers) over a fragment (of S, col0 its
+    // block's first key) that reaches past a sequence's end: rows past it take the last row
+    // (their results are dropped), and each n8 tile of keys goes by a branch its warp takes
+    // together: wholly inside, unclamped; wholly past the end, left alone (the mask hides those
+    // keys); across the end, its keys clamped. Clamping every element (user_apply<true>) made a
+    // fragment's 64 table addresses at once: 300-450 bytes of spills at head dim 64; for a
+    // snippet that reads no table the clamps are cheap and these branches cost more (user
+    // ALiBi at 8000 keys 3.5% slower; benchmarks/NOTES.md).
+    template <int M, int N>
+    __device__ __forceinline__ void user_apply_tail(float (&s)[M][N][4], const ScoreCoords<false>& at, int col0) const {
+        using C = ScoreCoords<false>;
+        const int keys_in = lens.k(p) - col0, last_q = lens.q(p) - 1, last_k = lens.k(p) - 1;
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                if (8 * n >= keys_in) continue;
+                if (8 * n + 8 <= keys_in) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[m][n][e] = user_score<false>(s[m][n][e], min(at.query0() + C::dquery(m, n, e), last_q),
+                                                       at.key0 + C::dkey(m, n, e));
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[m][n][e] = user_score<false>(s[m][n][e], min(at.query0() + C::dquery(m, n, e), last_q),
+                                                       min(at.key0 + C::dkey(m, n, e), last_k));
+                }
+            }
+    }
 
     // Held values plus bias for a fragment of raw scores (the forward: nothing needs t after),
     // or the user's score_mod of them (unclamped inside the sequences: all but the tiles at
@@ -136,6 +166,8 @@ struct ScoreMod {
             const ScoreCoords<Transposed> at(row0, col0, lane);
             if (inside<Transposed, M, N>(at))
                 user_apply<false>(s, at);
+            else if constexpr (V::Mods::Gathers && !Transposed)
+                user_apply_tail(s, at, col0);
             else
                 user_apply<true>(s, at);
         } else if constexpr (V::Softcap || V::Alibi) {

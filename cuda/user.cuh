@@ -114,6 +114,7 @@ __device__ __forceinline__ void flush_user_grads(const UserParams& u, const User
 struct NoMods {
     static constexpr bool Score = false;   // a score_mod is given
     static constexpr bool Mask = false;    // a mask_mod is given
+    static constexpr bool Gathers = false; // the score_mod reads a table per score (mods.gathers)
 
     template <typename S>
     static __device__ __forceinline__ S score(const UserParams&, S score, int, int, int, int) { return score; }

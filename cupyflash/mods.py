@@ -264,20 +264,27 @@ def prelude(score_mod, mask_mod):
                 f"#line 1 \"cupyflash-user-mods\"\n    }}\n")
 
     sig = "int b, int h, int q_idx, int kv_idx"
-    text = ["struct UserMods {",
-            f"    static constexpr bool Score = {'true' if score is not None else 'false'};",
-            f"    static constexpr bool Mask = {'true' if mask is not None else 'false'};",
-            "    template <typename S>",
-            function(f"static __device__ __forceinline__ S score(const UserParams& u_, S score, {sig})",
-                     views["score_mod"], SCORE_FILE, score, "return score;"),
-            "    template <typename S>",
-            function(f"static __device__ __forceinline__ S grad(const UserParams& u_, S score, S dscore, "
-                     f"{sig}, bool accumulate, UserGrads& g_)", views["score_mod"] + grads, GRAD_FILE,
-                     score_mod.grad if score is not None else None, "return dscore;"),
-            function(f"static __device__ __forceinline__ bool mask(const UserParams& u_, {sig})",
-                     views["mask_mod"], MASK_FILE, mask, "return true;"),
-            "};\n"]
-    return "\n".join(text)
+    functions = [
+        "    template <typename S>",
+        function(f"static __device__ __forceinline__ S score(const UserParams& u_, S score, {sig})",
+                 views["score_mod"], SCORE_FILE, score, "return score;"),
+        "    template <typename S>",
+        function(f"static __device__ __forceinline__ S grad(const UserParams& u_, S score, S dscore, "
+                 f"{sig}, bool accumulate, UserGrads& g_)", views["score_mod"] + grads, GRAD_FILE,
+                 score_mod.grad if score is not None else None, "return dscore;"),
+        function(f"static __device__ __forceinline__ bool mask(const UserParams& u_, {sig})",
+                 views["mask_mod"], MASK_FILE, mask, "return true;")]
+
+    def text_of(gathers):
+        flags = dict(Score=score is not None, Mask=mask is not None, Gathers=gathers)
+        return "\n".join(["struct UserMods {",
+                          *(f"    static constexpr bool {k} = {'true' if v else 'false'};" for k, v in flags.items()),
+                          *functions, "};\n"])
+
+    # Gathers: the score_mod reads a table per score (the probe compiles the text itself, whose
+    # flag it does not read).
+    text = text_of(False)
+    return text_of(True) if score is not None and gathers(text) else text
 
 
 _PROBE = """

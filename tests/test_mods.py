@@ -520,7 +520,10 @@ def test_score_mods_that_read_a_table_per_score_are_told_from_the_rest(code, gat
     arrays = {"slopes": np.zeros(4, np.float32), "bias": np.zeros((5, 9), np.float32),
               "doc": np.zeros(16, np.int32)}
     sm = cf.ScoreMod(code, arrays={n: a for n, a in arrays.items() if n in code})
-    assert mods.gathers(mods.prelude(sm, None)) == gathers
+    text = mods.prelude(sm, None)
+    assert mods.gathers(text) == gathers
+    # The kernels read it from the prelude (their score step's copy for the sequences' ends).
+    assert (f"Gathers = {'true' if gathers else 'false'};" in text)
 
 
 def test_undeclared_gradient_array_is_refused():
