@@ -138,17 +138,21 @@ struct ScoreMod {
     __device__ __forceinline__ void user_apply_tail(float (&s)[M][N][4], const ScoreCoords<false>& at, int col0) const {
         using C = ScoreCoords<false>;
         const int keys_in = lens.k(p) - col0, last_q = lens.q(p) - 1, last_k = lens.k(p) - 1;
+        auto tile = [&](int m, int n, bool clamp_keys) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = at.key0 + C::dkey(m, n, e);
+                s[m][n][e] = user_score<false>(s[m][n][e], min(at.query0() + C::dquery(m, n, e), last_q),
+                                               clamp_keys ? min(key, last_k) : key);
+            }
+        };
         // Only rows past the end (the last query tile): one copy without branches, whose
         // loads run together (its tiles through the branches below measured 5.7% slower).
         if (keys_in >= 8 * N) {
 #pragma unroll
             for (int m = 0; m < M; ++m)
 #pragma unroll
-                for (int n = 0; n < N; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[m][n][e] = user_score<false>(s[m][n][e], min(at.query0() + C::dquery(m, n, e), last_q),
-                                                       at.key0 + C::dkey(m, n, e));
+                for (int n = 0; n < N; ++n) tile(m, n, false);
             return;
         }
 #pragma unroll
@@ -156,17 +160,10 @@ struct ScoreMod {
 #pragma unroll
             for (int n = 0; n < N; ++n) {
                 if (8 * n >= keys_in) continue;
-                if (8 * n + 8 <= keys_in) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[m][n][e] = user_score<false>(s[m][n][e], min(at.query0() + C::dquery(m, n, e), last_q),
-                                                       at.key0 + C::dkey(m, n, e));
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[m][n][e] = user_score<false>(s[m][n][e], min(at.query0() + C::dquery(m, n, e), last_q),
-                                                       min(at.key0 + C::dkey(m, n, e), last_k));
-                }
+                if (8 * n + 8 <= keys_in)
+                    tile(m, n, false);
+                else
+                    tile(m, n, true);
             }
     }
 
