@@ -77,8 +77,9 @@ struct OnlineSoftmax {
     template <bool Settled, int MT, int NT>
     __device__ __forceinline__ bool step(float (&s)[MT][NT][4], float mult, float (&alpha)[Rows]) {
         if constexpr (Fixable)
-            if (fixed) {
-                exponentiate_fixed(s, mult);
+            if (fixed) {   // p = exp2(s * mult), its exact sum added to l
+                const float zero[Rows] = {};
+                exponentiate(s, mult, zero);
                 return false;
             }
         float base[Rows];
@@ -207,13 +208,6 @@ struct OnlineSoftmax {
                 sum[2 * mt + hf] += chained_reduce<Chains, NT>(
                     [&](int nt) { return s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1]; },
                     [](float a, float b) { return a + b; });
-    }
-
-    // p = exp2(s * mult), its exact sum added to l.
-    template <int MT, int NT>
-    __device__ __forceinline__ void exponentiate_fixed(float (&s)[MT][NT][4], float mult) {
-        const float base[Rows] = {};
-        exponentiate(s, mult, base);
     }
 
     // Where fixed: each row's sum of its p as rounded, from the tensor cores.

@@ -753,12 +753,12 @@ def _sm90_fwd_name(spec, hd, groups, keys):
 
 def sm90_fwd_call_tile(spec, block_mask):
     """``sm90_fwd_tile``, except for a user score_mod at head dim 64: three consumers where
-    its snippet reads no memory per score (``mods.gathers``) and its three-consumer kernel,
+    its snippet reads no memory per score (``mods.reads_table``) and its three-consumer kernel,
     compiled and loaded first, has the registers it needs (``_short_of_registers``), else
     two. On the H200 three measured 5-15% faster for a score_mod of ALiBi's, and 10% slower
     for a table lookup per score in causal calls (equal in others; benchmarks/NOTES.md)."""
     groups, keys = sm90_fwd_tile(spec, block_mask)
-    if groups == 3 and spec.score_mod and (mods.gathers(spec.user_mods) or _short_of_registers(
+    if groups == 3 and spec.score_mod and (mods.reads_table(spec.user_mods) or _short_of_registers(
             "fwd_sm90.cu", spec, _sm90_fwd_name(spec, sm90_headdim(spec.headdim), groups, keys))):
         groups = 2
     return groups, keys

@@ -277,14 +277,22 @@ def prelude(score_mod, mask_mod):
 
     def text_of(gathers):
         flags = dict(Score=score is not None, Mask=mask is not None, Gathers=gathers)
-        return "\n".join(["struct UserMods {",
-                          *(f"    static constexpr bool {k} = {'true' if v else 'false'};" for k, v in flags.items()),
-                          *functions, "};\n"])
+        return "\n".join(["struct UserMods {", *(_flag(k, v) for k, v in flags.items()), *functions, "};\n"])
 
     # Gathers: the score_mod reads a table per score (the probe compiles the text itself, whose
     # flag it does not read).
     text = text_of(False)
     return text_of(True) if score is not None and gathers(text) else text
+
+
+def _flag(name, value):
+    return f"    static constexpr bool {name} = {'true' if value else 'false'};"
+
+
+def reads_table(text):
+    """Whether the score_mod of a ``prelude`` text reads a table per score: the Gathers flag
+    that ``prelude`` set from ``gathers``, read back without a second probe."""
+    return _flag("Gathers", True) in text
 
 
 _PROBE = """
