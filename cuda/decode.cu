@@ -191,9 +191,15 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
     __syncthreads();   // every warp is done with its ring: the combination reuses it
 
     // The warps' parts through shared memory: each row's max (log2 units) and sum per warp,
-    // and O per warp; then each row's factors, and O and lse from them.
-    float* sO = reinterpret_cast<float*>(smem);             // [warp][16][HeadDim]
-    float* sM = sO + DECODE_WARPS * 16 * HeadDim;           // [warp][16]
+    // and O per warp; then each row's factors, and O and lse from them. O's rows are LDO
+    // floats apart, 8 more than a row's: a warp's 8-byte stores of its fragments (8 rows x 8
+    // columns) then take two passes of the shared memory, where rows HeadDim apart, all on
+    // the same banks, took eight (the block's last ~2 us held its split's end: NOTES).
+    constexpr int LDO = HeadDim + 8;
+    static_assert(DECODE_WARPS * 16 * LDO * 4 + (3 * DECODE_WARPS + 1) * 16 * 4 <= decode_smem<HeadDim>(),
+                  "the combination fits in the rings' shared memory");
+    float* sO = reinterpret_cast<float*>(smem);             // [warp][16][LDO]
+    float* sM = sO + DECODE_WARPS * 16 * LDO;               // [warp][16]
     float* sL = sM + DECODE_WARPS * 16;                     // [warp][16]
     float* sF = sL + DECODE_WARPS * 16;                     // [16][warp]: the factors / total
     float* sLse = sF + 16 * DECODE_WARPS;                   // [16]
@@ -208,8 +214,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
         }
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) sO[(warp * 16 + r) * HeadDim + dt * 8 + 2 * (lane % 4) + j] = acc[0][dt][2 * hf + j];
+            *reinterpret_cast<float2*>(sO + (warp * 16 + r) * LDO + dt * 8 + 2 * (lane % 4)) =
+                make_float2(acc[0][dt][2 * hf], acc[0][dt][2 * hf + 1]);
     }
     __syncthreads();
     if (threadIdx.x < 16) {
@@ -231,20 +237,30 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
         sLse[r] = empty ? neg_inf() : (base + log2f(total)) / LOG2E;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < 16 * HeadDim; i += DECODE_WARPS * 32) {
-        const int r = i / HeadDim, col = i % HeadDim, g = g0 + r;
+    // Four columns a thread (the head dim is a multiple of 8: 16-byte rows).
+    for (int i = threadIdx.x; i < 16 * HeadDim / 4; i += DECODE_WARPS * 32) {
+        const int r = i / (HeadDim / 4), col = i % (HeadDim / 4) * 4, g = g0 + r;
         if (g > last || col >= p.headdim) continue;
-        float o = 0.f;
+        float o[4] = {};
 #pragma unroll
-        for (int w = 0; w < DECODE_WARPS; ++w) o = fmaf(sF[r * DECODE_WARPS + w], sO[(w * 16 + r) * HeadDim + col], o);
+        for (int w = 0; w < DECODE_WARPS; ++w) {
+            const float f = sF[r * DECODE_WARPS + w];
+            const float4 x = *reinterpret_cast<const float4*>(sO + (w * 16 + r) * LDO + col);
+            o[0] = fmaf(f, x.x, o[0]);
+            o[1] = fmaf(f, x.y, o[1]);
+            o[2] = fmaf(f, x.z, o[2]);
+            o[3] = fmaf(f, x.w, o[3]);
+        }
         const int h = hk * p.group + g % p.group, q = g / p.group;
         const index_t row = seq.stat(h, q);   // (batch, nheads, seqlen_q)
         if (dp.splits == 1) {
-            ElemTraits<Elem>::store(seq.template q_row<u16>(p.o, h, q) + col, o);
+            u16* out = seq.template q_row<u16>(p.o, h, q) + col;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) ElemTraits<Elem>::store(out + j, o[j]);
             if (col == 0) static_cast<float*>(p.lse)[row] = sLse[r];
         } else {
             const index_t part = static_cast<index_t>(split) * p.batch * p.nheads * p.seqlen_q + row;
-            dp.o_part[part * HeadDim + col] = o;
+            *reinterpret_cast<float4*>(dp.o_part + part * HeadDim + col) = make_float4(o[0], o[1], o[2], o[3]);
             if (col == 0) dp.lse_part[part] = sLse[r];
         }
     }
