@@ -191,18 +191,16 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
     __syncthreads();   // every warp is done with its ring: the combination reuses it
 
     // The warps' parts through shared memory: each row's max (log2 units) and sum per warp,
-    // and O per warp; then each row's factors, and O and lse from them. O's rows are LDO
-    // floats apart, 8 more than a row's: a warp's 8-byte stores of its fragments (8 rows x 8
-    // columns) then take two passes of the shared memory, where rows HeadDim apart, all on
+    // and O per warp; then each thread weighs the warps' O of its row from them. O's rows are
+    // LDO floats apart, 8 more than a row's: a warp's 8-byte stores of its fragments (8 rows x
+    // 8 columns) then take two passes of the shared memory, where rows HeadDim apart, all on
     // the same banks, took eight (the block's last ~2 us held its split's end: NOTES).
     constexpr int LDO = HeadDim + 8;
-    static_assert(DECODE_WARPS * 16 * LDO * 4 + (3 * DECODE_WARPS + 1) * 16 * 4 <= decode_smem<HeadDim>(),
+    static_assert(DECODE_WARPS * 16 * (LDO + 2) * 4 <= decode_smem<HeadDim>(),
                   "the combination fits in the rings' shared memory");
     float* sO = reinterpret_cast<float*>(smem);             // [warp][16][LDO]
     float* sM = sO + DECODE_WARPS * 16 * LDO;               // [warp][16]
     float* sL = sM + DECODE_WARPS * 16;                     // [warp][16]
-    float* sF = sL + DECODE_WARPS * 16;                     // [16][warp]: the factors / total
-    float* sLse = sF + 16 * DECODE_WARPS;                   // [16]
     const float mult = mod.mult();
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -218,8 +216,11 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
                 make_float2(acc[0][dt][2 * hf], acc[0][dt][2 * hf + 1]);
     }
     __syncthreads();
-    if (threadIdx.x < 16) {
-        const int r = threadIdx.x;
+    // Four columns a thread (the head dim is a multiple of 8: 16-byte rows); a warp's threads
+    // share a row, whose factors each computes (the same loads for all: broadcasts).
+    for (int i = threadIdx.x; i < 16 * HeadDim / 4; i += DECODE_WARPS * 32) {
+        const int r = i / (HeadDim / 4), col = i % (HeadDim / 4) * 4, g = g0 + r;
+        if (g > last || col >= p.headdim) continue;
         float top = neg_inf();
 #pragma unroll
         for (int w = 0; w < DECODE_WARPS; ++w) top = fmaxf(top, sM[w * 16 + r]);
@@ -232,36 +233,28 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
         }
         // Only a sum of exactly 0 is a row without keys (a NaN sum stays NaN), as finalize.
         const bool empty = total == 0.f;
-#pragma unroll
-        for (int w = 0; w < DECODE_WARPS; ++w) sF[r * DECODE_WARPS + w] = empty ? 0.f : f[w] / total;
-        sLse[r] = empty ? neg_inf() : (base + log2f(total)) / LOG2E;
-    }
-    __syncthreads();
-    // Four columns a thread (the head dim is a multiple of 8: 16-byte rows).
-    for (int i = threadIdx.x; i < 16 * HeadDim / 4; i += DECODE_WARPS * 32) {
-        const int r = i / (HeadDim / 4), col = i % (HeadDim / 4) * 4, g = g0 + r;
-        if (g > last || col >= p.headdim) continue;
         float o[4] = {};
 #pragma unroll
         for (int w = 0; w < DECODE_WARPS; ++w) {
-            const float f = sF[r * DECODE_WARPS + w];
+            const float fw = empty ? 0.f : f[w] / total;
             const float4 x = *reinterpret_cast<const float4*>(sO + (w * 16 + r) * LDO + col);
-            o[0] = fmaf(f, x.x, o[0]);
-            o[1] = fmaf(f, x.y, o[1]);
-            o[2] = fmaf(f, x.z, o[2]);
-            o[3] = fmaf(f, x.w, o[3]);
+            o[0] = fmaf(fw, x.x, o[0]);
+            o[1] = fmaf(fw, x.y, o[1]);
+            o[2] = fmaf(fw, x.z, o[2]);
+            o[3] = fmaf(fw, x.w, o[3]);
         }
+        const float lse = empty ? neg_inf() : (base + log2f(total)) / LOG2E;
         const int h = hk * p.group + g % p.group, q = g / p.group;
         const index_t row = seq.stat(h, q);   // (batch, nheads, seqlen_q)
         if (dp.splits == 1) {
             u16* out = seq.template q_row<u16>(p.o, h, q) + col;
 #pragma unroll
             for (int j = 0; j < 4; ++j) ElemTraits<Elem>::store(out + j, o[j]);
-            if (col == 0) static_cast<float*>(p.lse)[row] = sLse[r];
+            if (col == 0) static_cast<float*>(p.lse)[row] = lse;
         } else {
             const index_t part = static_cast<index_t>(split) * p.batch * p.nheads * p.seqlen_q + row;
             *reinterpret_cast<float4*>(dp.o_part + part * HeadDim + col) = make_float4(o[0], o[1], o[2], o[3]);
-            if (col == 0) dp.lse_part[part] = sLse[r];
+            if (col == 0) dp.lse_part[part] = lse;
         }
     }
 }
@@ -270,31 +263,16 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
 // DECODE_MERGE_GROUPS groups of HeadDim / 4 threads. The parts were just written (they are in
 // L2): each pass issues its loads together rather than one split after another (whose
 // latencies took 9 of the 22 us of a batch-1 call over 8K keys in 32 splits on the H200:
-// benchmarks/NOTES.md). The lse of every split by all threads at once; then each group adds
-// every eighth split's outputs, four columns a thread, and the groups' sums meet in shared
-// memory.
+// benchmarks/NOTES.md). The lse of every split by the first warp, while the others' first
+// loads of outputs are in flight; then each group adds every eighth split's outputs, four
+// columns a thread, and the groups' sums meet in shared memory.
 constexpr int DECODE_MAX_SPLITS = 128, DECODE_MERGE_GROUPS = 8;
-
-// x reduced by op over the block's Threads threads (every thread gets it); scratch: one float
-// per warp, free again on return.
-template <int Threads, typename Op>
-__device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
-#pragma unroll
-    for (int lane = 16; lane > 0; lane /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, lane));
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-    __syncthreads();
-    x = scratch[0];
-#pragma unroll
-    for (int w = 1; w < Threads / 32; ++w) x = op(x, scratch[w]);
-    __syncthreads();
-    return x;
-}
 
 template <typename Elem, int HeadDim>
 __global__ void __launch_bounds__(DECODE_MERGE_GROUPS * HeadDim / 4) flash_decode_merge_kernel(const DecodeParams dp) {
     constexpr int Lanes = HeadDim / 4, Threads = DECODE_MERGE_GROUPS * Lanes;
     static_assert(Threads % 32 == 0, "whole warps");
-    __shared__ float weight[DECODE_MAX_SPLITS], scratch[Threads / 32];
+    __shared__ float weight[DECODE_MAX_SPLITS], totals[2];   // totals: the lse's base and the weights' sum
     __shared__ __align__(16) float part[DECODE_MERGE_GROUPS][HeadDim];
     const FwdParams& p = dp.base;
     const int q = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
@@ -312,19 +290,30 @@ __global__ void __launch_bounds__(DECODE_MERGE_GROUPS * HeadDim / 4) flash_decod
         const int s = group + k * DECODE_MERGE_GROUPS;
         early[k] = col < p.headdim && s < dp.splits ? part_of(s) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    float top = neg_inf();
-    for (int s = t; s < dp.splits; s += Threads) {
-        weight[s] = dp.lse_part[s * stride + row];
-        top = fmaxf(top, weight[s]);
+    // The splits' weights, by the first warp alone (shuffles, one barrier for the block).
+    if (t < 32) {
+        float top = neg_inf();
+        for (int s = t; s < dp.splits; s += 32) {
+            weight[s] = dp.lse_part[s * stride + row];
+            top = fmaxf(top, weight[s]);
+        }
+#pragma unroll
+        for (int lane = 16; lane > 0; lane /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lane));
+        const float base = top == neg_inf() ? 0.f : top;
+        float sum = 0.f;
+        for (int s = t; s < dp.splits; s += 32) {
+            weight[s] = __expf(weight[s] - base);
+            sum += weight[s];
+        }
+#pragma unroll
+        for (int lane = 16; lane > 0; lane /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lane);
+        if (t == 0) {
+            totals[0] = base;
+            totals[1] = sum;
+        }
     }
-    top = block_reduce<Threads>(top, [](float x, float y) { return fmaxf(x, y); }, scratch);
-    const float base = top == neg_inf() ? 0.f : top;
-    float sum = 0.f;
-    for (int s = t; s < dp.splits; s += Threads) {
-        weight[s] = __expf(weight[s] - base);
-        sum += weight[s];
-    }
-    const float total = block_reduce<Threads>(sum, [](float x, float y) { return x + y; }, scratch);
+    __syncthreads();
+    const float base = totals[0], total = totals[1];
 
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     auto add = [&](int s, float4 x) {
