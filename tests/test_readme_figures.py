@@ -271,6 +271,21 @@ def test_readme_decode_read_floor_is_the_cited_run():
     assert floor[1, 8192] < 0.85
 
 
+def test_readme_decode_combination_gain_is_the_cited_run():
+    """The split pass's combination without bank conflicts: the gains the sentence gives are
+    its A/B's (calls per ms of the new tree over the base, per cell)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    start = text.index("A split pass's block ends by combining")
+    sentence = text[start:text.index(".json`)", start)]
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+)", sentence)
+    gains = {cell: g for (cell,), g in _tree_gains(path + ".json", "new").items()}
+    figures = re.search(r"([\d.]+-[\d.]+)% more calls per second at batch 1 x 8K, ([\d.]+)% at 32K and ([\d.]+)% at "
+                        r"batch 8 x 8K", sentence).groups()
+    assert figures == (_spread([gains["decode:1:8192:contiguous"], gains["decode:1:8192:page16"]], ".1f"),
+                       _spread([gains["decode:1:32768:contiguous"], gains["decode:1:32768:page16"]], ".1f"),
+                       _spread([gains["decode:8:8192:contiguous"], gains["decode:8:8192:page16"]], ".1f"))
+
+
 def test_readme_host_time_figures_are_the_cited_runs():
     """The repeated calls' host times (afresh -> repeated, median us) are probe_host's rows of
     the JSONs the paragraph names."""
