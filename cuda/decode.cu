@@ -194,7 +194,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 1) flash_decode_kernel(cons
     // and O per warp; then each thread weighs the warps' O of its row from them. O's rows are
     // LDO floats apart, 8 more than a row's: a warp's 8-byte stores of its fragments (8 rows x
     // 8 columns) then take two passes of the shared memory, where rows HeadDim apart, all on
-    // the same banks, took eight (the block's last ~2 us held its split's end: NOTES).
+    // the same banks, took eight (a block's end after its loop took 2.8 us, now 1.2 on the
+    // H200: benchmarks/NOTES.md).
     constexpr int LDO = HeadDim + 8;
     static_assert(DECODE_WARPS * 16 * (LDO + 2) * 4 <= decode_smem<HeadDim>(),
                   "the combination fits in the rings' shared memory");
