@@ -316,8 +316,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // tensor cores idled through the last warpgroup's epilogue at every tile). Every sync pairs
     // with one arrival: the last warpgroup's first arrival opens the turns, and warpgroup 0
     // takes the final hand-on when there is no tile left.
-    auto my_turn = [&]() { named_bar_sync(2 + wg, 256); };
-    auto hand_on = [&]() { named_bar_arrive(2 + (wg + 1) % Groups, 256); };
+    // softcap alone up to head dim 128 runs without the turns, measured 1-1.3% faster (its
+    // softmax, a tanh and an exp2 per score, outlasts the other warpgroup's products either
+    // way); without them softcap with ALiBi ran 2% slower, plain d=128 even and three
+    // consumers at d=64 8% slower (benchmarks/NOTES.md).
+    constexpr bool Turns = !(V::Softcap && !V::Alibi && !V::UserScore && !V::UserMask && HeadDim <= 128);
+    auto my_turn = [&]() { if constexpr (Turns) named_bar_sync(2 + wg, 256); };
+    auto hand_on = [&]() { if constexpr (Turns) named_bar_arrive(2 + (wg + 1) % Groups, 256); };
     bool turns_started = false;   // the last warpgroup's first arrival has let warpgroup 0 go
 
     const bool store_thread = threadIdx.x % 128 == 0;   // issues its warpgroup's stores of O
@@ -446,7 +451,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 
         if (kb.count > 0) {
             float alpha[2];
-            if (wg == Groups - 1 && !turns_started) named_bar_arrive(2, 256);
+            if (Turns && wg == Groups - 1 && !turns_started) named_bar_arrive(2, 256);
             turns_started = true;
             bias_first(0);
             my_turn();
