@@ -316,7 +316,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // tensor cores idled through the last warpgroup's epilogue at every tile). Every sync pairs
     // with one arrival: the last warpgroup's first arrival opens the turns, and warpgroup 0
     // takes the final hand-on when there is no tile left.
-    // softcap alone up to head dim 128 runs without the turns, measured 1-1.3% faster (its
+    // softcap alone up to head dim 128 runs without the turns, measured 0.6-1.3% faster (its
     // softmax, a tanh and an exp2 per score, outlasts the other warpgroup's products either
     // way); without them softcap with ALiBi ran 2% slower, plain d=128 even and three
     // consumers at d=64 8% slower (benchmarks/NOTES.md).

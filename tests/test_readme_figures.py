@@ -484,6 +484,17 @@ def test_readme_end_aligned_tile_gains_are_the_cited_run():
         assert (f"{min(cell):.1f}", f"{max(cell):.1f}") == (lo, hi), k
 
 
+def test_readme_softcap_no_turns_gain_is_the_cited_run():
+    """softcap's turn-free Hopper forward: the range of its gains (tree "new" over base) over
+    the softcap-alone cells of the A/B the README names."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"softcap alone up to head dim 128, whose kernels measured ([\d.]+)-([\d.]+)% faster "
+                  r"without turns, `(benchmarks/results/[^`]+\.json)`", text)
+    gains = [g for (cell,), g in _tree_gains(m.group(3), "new").items() if cell.endswith(":fwd:softcap")]
+    assert len(gains) == 5
+    assert (m.group(1), m.group(2)) == (f"{min(gains):.1f}", f"{max(gains):.1f}")
+
+
 def test_readme_mask_mod_groups_gain_is_the_cited_run():
     """The Hopper forward's launch groups for causal-like mask_mods: the gain at 8K read from
     the A/B the README names."""
