@@ -84,7 +84,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // beside each k16 step of P V), instead of being rounded and added per score in the
     // softmax (3.5-3.9% faster). At 64 and 128 the running max stays: there the fixed base
     // with these sums measured 10% slower at 64 and even at 128 (benchmarks/NOTES.md).
-    constexpr bool OnesSum = HeadDim > 128 && same_type<Elem, bf16> && V::Softcap && !V::Alibi && !V::UserScore;
+    constexpr bool OnesSum = HeadDim > 128 && same_type<Elem, bf16> && ScoreMod<V, FwdParams>::capped_alone();
     // The descriptors' two words joined (sm90.cuh) but at head dim 128.
     constexpr bool JoinedDesc = HeadDim != 128;
     // ALiBi's bias (ScoreMod::positional) is written into S's accumulators before Q K^T is
@@ -320,7 +320,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // softmax, a tanh and an exp2 per score, outlasts the other warpgroup's products either
     // way); without them softcap with ALiBi ran 2% slower, plain d=128 even and three
     // consumers at d=64 8% slower (benchmarks/NOTES.md).
-    constexpr bool Turns = !(V::Softcap && !V::Alibi && !V::UserScore && !V::UserMask && HeadDim <= 128);
+    constexpr bool Turns = !(ScoreMod<V, FwdParams>::capped_alone() && !V::UserMask && HeadDim <= 128);
     auto my_turn = [&]() { if constexpr (Turns) named_bar_sync(2 + wg, 256); };
     auto hand_on = [&]() { if constexpr (Turns) named_bar_arrive(2 + (wg + 1) % Groups, 256); };
     bool turns_started = false;   // the last warpgroup's first arrival has let warpgroup 0 go

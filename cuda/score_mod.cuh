@@ -42,8 +42,10 @@ struct ScoreMod {
     // exponentials and no rescaling of O. The host allows it where p = exp2(t * mult) stays
     // well inside the range of the kernel's P (cupyflash/_launch.py, BOUNDED_LOG2).
     __device__ __forceinline__ bool bounded() const {
-        return V::Softcap && !V::Alibi && !V::UserScore && p.mod.bounded;
+        return capped_alone() && p.mod.bounded;
     }
+    // softcap's tanh is the whole modifier (no bias, no user score_mod).
+    static __host__ __device__ constexpr bool capped_alone() { return V::Softcap && !V::Alibi && !V::UserScore; }
 
     // Select the slopes of (batch b, head h).
     __device__ __forceinline__ void at_head(int batch, int head) {
