@@ -19,9 +19,10 @@
 //   block j - 1, and runs the softmax of block j while the second product is still running:
 //   the exponentials of one block overlap the tensor cores' work on the other (rescaling O
 //   waits for that product). The consumers take turns issuing their products, in a ring of
-//   named barriers, so that one's softmax runs while another's products do. Under a causal
-//   or windowed band a consumer's rows may see fewer of the tile's key blocks than its last
-//   row does: it stops its products there and only passes its turns (OwnWalk).
+//   named barriers, so that one's softmax runs while another's products do (not for softcap
+//   alone up to head dim 128: Turns below). Under a causal or windowed band a consumer's rows
+//   may see fewer of the tile's key blocks than its last row does: it stops its products
+//   there and only passes its turns (OwnWalk).
 //   O leaves through shared memory and a bulk tensor store: a stage of its own where shared
 //   memory allows (HeadDim <= 128, where the next tile's copies are landing), else the
 //   warpgroup's Q tile.
