@@ -523,7 +523,7 @@ def test_score_mods_that_read_a_table_per_score_are_told_from_the_rest(code, gat
     text = mods.prelude(sm, None)
     assert mods.gathers(text) == gathers
     # The kernels read it from the prelude (their score step's copy for the sequences' ends).
-    assert (f"Gathers = {'true' if gathers else 'false'};" in text)
+    assert mods.reads_table(text) == gathers
 
 
 def test_undeclared_gradient_array_is_refused():
