@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
     typedef typename Tr::storage S;
     typedef typename Tr::acc Acc;
     constexpr int VEC = 16 / sizeof(S);
+    launch_dependents();   // the Hopper pass (bwd_sm90.cu) waits for what it reads
     const SeqInfo<BwdParams, Seq> seq(p, blockIdx.z);
     const int h = blockIdx.y, chunks = (p.headdim + VEC - 1) / VEC;
     int lanes = 1;

@@ -1,6 +1,7 @@
 // The dK/dV pass of the backward for Hopper (sm_90a), with dQ added atomically (bwd.cu's
-// fp32 buffer and its convert kernel; bwd_preprocess_kernel has written D and lse in log2
-// units first). One thread block per (key block, kv head, batch) keeps dK and dV in registers
+// fp32 buffer and its convert kernel). It runs as bwd_preprocess_kernel's programmatic
+// dependent: its blocks may start beside the preprocess's last ones and copy K, V, Q and dO,
+// and wait for the preprocess (D, lse in log2 units, the buffer zeroed) before they use them. One thread block per (key block, kv head, batch) keeps dK and dV in registers
 // while it walks every query block (64 rows; 128 at head dim 64) of every query head of its
 // group (BwdSteps), as bwd.cu's pass does, with Hopper's units. Two kernels share the block's
 // skeleton:
@@ -115,6 +116,7 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
     const BwdParams& p = steps.p;
     const int pw = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
     if (pw > 1 || (pw == 0 && lane != 0)) return;
+    if (pw == 1) wait_for_primary();   // the preprocess's lse and D; the copies of K, V, Q and dO go first
     if (pw == 0) {
         mbar_expect_bytes(&bar.kv_full, 2 * KeyTiles * Chunks * Sub * 2);
         for (int kt = 0; kt < KeyTiles; ++kt)
@@ -318,7 +320,9 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
 // compile neither the trigger nor block_done: the d = 256 one ran 2.5% slower with them (A/B,
 // H200).
 __device__ __forceinline__ void count_block_done(const BwdSm90Params& tp, const BlockCoord& at) {
-    if (tp.dq_done != nullptr) red_release_add(tp.dq_done + at.batch * tp.base.nheads_k + at.head, 1);
+    if (tp.dq_done == nullptr) return;
+    wait_for_primary();   // the preprocess zeroes the counts
+    red_release_add(tp.dq_done + at.batch * tp.base.nheads_k + at.head, 1);
 }
 __device__ __forceinline__ void block_done(const BwdSm90Params& tp, const BlockCoord& at) {
     if (tp.dq_done == nullptr) return;
@@ -435,6 +439,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         push_dq_rows(gdq, stage, dq_valid, lane);
         if (order) dq_turn_end(order, lane);
     };
+    wait_for_primary();   // the dQ buffer's tiles zeroed (the preprocess)
     mbar_wait(&bar.kv_full, 0);
     int g = 0;
     for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
@@ -706,6 +711,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) { dk[0][i][e] = 0.f; dv[0][i][e] = 0.f; }
 
+    wait_for_primary();   // the dQ buffer's tiles zeroed (the preprocess)
     mbar_wait(&bar.kv_full, 0);
     int g = 0;
     for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {

@@ -979,7 +979,10 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
         tp["dq_order"] = order.data.ptr
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dk", dk), ("dv", dv)):
         tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
-    _launch("bwd_sm90.cu", _bwd_sm90_name(spec, hd, rows), grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods)
+    # The preprocess's programmatic dependent: its blocks take the SMs that the preprocess's
+    # last wave leaves and start their copies (cuda/bwd_sm90.cu).
+    _launch("bwd_sm90.cu", _bwd_sm90_name(spec, hd, rows), grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods,
+            dependent=True)
     return tiles
 
 
