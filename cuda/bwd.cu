@@ -146,9 +146,11 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     const int cols = p.dq_accum_cols, ld = cols + 1;
     const float* src = dq_tile_lane(p, seq, h, blockIdx.x, 0);
     const float scale = static_cast<float>(p.scale);
-    // With dq_done, launched as the Hopper pass's programmatic dependent, the kernel may start
-    // beside that pass's last blocks: it waits until dq_done_target dK/dV blocks of its
-    // (batch, kv head) have finished, and with them every add into its rows.
+    // After the Hopper pass, the kernel is launched as its programmatic dependent. With
+    // dq_done it may start beside that pass's last blocks: it waits until dq_done_target dK/dV
+    // blocks of its (batch, kv head) have finished, and with them every add into its rows.
+    // Without, it starts once the pass's blocks have all exited, on the launch's latency, and
+    // waits for the pass's writes.
     if (Layout != DQ_MMA && dq_done != nullptr) {
         if (threadIdx.x == 0) {
             const int* done = dq_done + blockIdx.z * p.nheads_k + h / p.group;
@@ -156,6 +158,8 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
             }
         }
         __syncthreads();
+    } else {
+        wait_for_primary();
     }
     // Columns c and c + 1 (if the head dim has it) of row `row`, one 32-bit word where aligned.
     auto store_pair = [&](int row, int c, float a, float b) {

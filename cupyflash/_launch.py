@@ -903,16 +903,17 @@ def _hopper_allowed():
 
 
 def convert_overlaps(spec, block_mask):
-    """Whether the Hopper backward's dQ convert runs beside the dK/dV pass's last blocks (a
-    programmatic dependent launch, cuda/bwd_sm90.cu's block_done) rather than after it: each
-    convert block then waits for its (batch, kv head)'s count of finished pass blocks, a memory
-    round trip ahead of its loads. Measured (H200, bf16, 16K tokens; benchmarks/NOTES.md,
-    sixteenth session): +0.5-1.7% in the 128- and 256-column kernels (head dims above 64)
-    without a band; in the 64-column one the waits cost what the overlap saves, and causal
-    (longest tiles first; a causal block mask's too) the pass's last blocks are short and the
-    waits cost 1-3%. With a block mask the convert is a larger share of the call: a random 10%
-    mask at 8K, bf16, d=128, 7% faster; window (1024, 0) +1.7% at 8K, +0.3% at 32K, d=256
-    even (thirty-fourth session)."""
+    """Whether the Hopper backward's dQ convert runs beside the dK/dV pass's last blocks (the
+    pass triggers its programmatic dependent in every block, cuda/bwd_sm90.cu's block_done)
+    rather than after them (launched as the dependent all the same, it then starts once the
+    pass's blocks have exited, on the launch's latency): each convert block then waits for its
+    (batch, kv head)'s count of finished pass blocks, a memory round trip ahead of its loads.
+    Measured (H200, bf16, 16K tokens; benchmarks/NOTES.md, sixteenth session): +0.5-1.7% in the
+    128- and 256-column kernels (head dims above 64) without a band; in the 64-column one the
+    waits cost what the overlap saves, and causal (longest tiles first; a causal block mask's
+    too) the pass's last blocks are short and the waits cost 1-3%. With a block mask the convert
+    is a larger share of the call: a random 10% mask at 8K, bf16, d=128, 7% faster; window
+    (1024, 0) +1.7% at 8K, +0.3% at 32K, d=256 even (thirty-fourth session)."""
     return not spec.causal and sm90_bwd_headdim(spec.headdim) >= 128
 
 
@@ -1153,7 +1154,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
         # are read through 16 rows of shared memory.
         layout, strip = (DQ_STRIPS, 16 * (hd + 1) * 4) if strips else (DQ_LANES, 0)
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, layout, *varlen), (_config.cdiv(sq, 16), h, b),
-                DQ_CONVERT_THREADS, strip, (p[()], done, np.int32(tiles)), dependent=overlap)
+                DQ_CONVERT_THREADS, strip, (p[()], done, np.int32(tiles)), dependent=True)
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
