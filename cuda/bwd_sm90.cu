@@ -310,9 +310,9 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
 }
 
 // Where the host sets tp.dq_done (_launch.convert_overlaps: not causal, head dims above 64),
-// the dQ convert kernel runs as this pass's programmatic dependent (launch_dependents at the
-// start of every block) and waits per (batch, kv head) until all of its blocks have counted
-// themselves there. A block counts once all its writes are complete, the dQ adds and dK, dV
+// the dQ convert kernel runs as this pass's programmatic dependent (launch_dependents in every
+// block once the preprocess is done) and waits per (batch, kv head) until all of its blocks
+// have counted themselves there. A block counts once all its writes are complete, the dQ adds and dK, dV
 // alike, so that the convert's end also means the pass's. count_block_done by one thread;
 // block_done by every consumer thread at the end (each warp's lane 0 has waited for its bulk
 // adds and the storing threads for their bulk stores). Without tp.dq_done block_done costs
@@ -381,7 +381,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // Causal, and in the launch groups of a mask_mod's block mask whose later key blocks are
     // seen by fewer rows (_launch.sm90_grouped): the first key blocks are seen by the most
     // queries.
-    if constexpr (!V::Causal) launch_dependents();
     const BlockCoord at = block_coord<V::Causal || V::UserMask>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
@@ -440,6 +439,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         if (order) dq_turn_end(order, lane);
     };
     wait_for_primary();   // the dQ buffer's tiles zeroed (the preprocess)
+    // The convert may start once every block has got here: the preprocess is done (it zeroes
+    // the counts the convert waits for).
+    if constexpr (!V::Causal) launch_dependents();
     mbar_wait(&bar.kv_full, 0);
     int g = 0;
     for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
@@ -678,7 +680,6 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     u16* sdO = sQ + Stages * Chunks * Sub;
     u16* sTiles = sdO + Stages * Chunks * Sub;   // step g's P^T and dS^T: tiles 2 t and 2 t + 1, t = g % 2
 
-    if constexpr (!V::Causal) launch_dependents();
     const BlockCoord at = block_coord<V::Causal || V::UserMask>(p, p.nheads_k, [](int i) { return i; });
     if (at.batch >= p.batch) return;
     const SeqInfo<BwdParams, V::Seq> seq(p, at.batch);
@@ -712,6 +713,9 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         for (int e = 0; e < 4; ++e) { dk[0][i][e] = 0.f; dv[0][i][e] = 0.f; }
 
     wait_for_primary();   // the dQ buffer's tiles zeroed (the preprocess)
+    // The convert may start once every block has got here: the preprocess is done (it zeroes
+    // the counts the convert waits for).
+    if constexpr (!V::Causal) launch_dependents();
     mbar_wait(&bar.kv_full, 0);
     int g = 0;
     for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {

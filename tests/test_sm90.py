@@ -637,6 +637,41 @@ def test_the_dq_convert_overlaps_the_pass_unless_causal_from_head_dim_128(d, kw,
     assert _launch.convert_overlaps(spec, mask) == overlaps
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    (1, 1024, 1024, 2, 2, 96, dict(window_size=(100, 50))), (1, 97, 150, 6, 2, 96, dict(window_size=(5, 0))),
+    (2, 300, 257, 4, 2, 128, {}), (1, 300, 333, 2, 1, 256, dict(causal=True)), (1, 200, 130, 4, 2, 64, {}),
+    # Few pass blocks over many rows: the preprocess (a block per 64 rows of a head) runs
+    # waves, and the last kv head's count is zeroed in its last one, when the pass and the
+    # convert may already be there.
+    (1, 4096, 128, 32, 4, 128, {})],
+    ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(sorted(c[6])))
+def test_the_backward_kernels_wait_for_the_ones_before_them(case, dtype, request, monkeypatch):
+    """The preprocess, the dK/dV pass and the convert run as programmatic dependent launches
+    (each may start before the one before has finished). The buffers the call leaves
+    uninitialized for them are poisoned first, the fp32 dQ buffer with NaN and the counts of
+    finished pass blocks with 2^30, so that a kernel that reads one before the kernel that
+    writes it is done gives NaN or a wrong dq rather than last call's values. Calls with the
+    convert beside the pass (head dims above 64 without a causal band) and after it."""
+    real_empty, real_dq_buffer = _launch.empty, _launch.dq_buffer
+    kinds = []
+
+    def poisoned(a):
+        if a is not None:
+            a.fill(2**30 if a.dtype.kind == "i" else np.nan)
+            kinds.append(a.dtype.kind)
+        return a
+
+    monkeypatch.setattr(_launch, "empty", lambda shape, dtype_: poisoned(real_empty(shape, dtype_)))
+    monkeypatch.setattr(_launch, "dq_buffer", lambda *a, **kw: poisoned(real_dq_buffer(*a, **kw)))
+    monkeypatch.setenv("CUPYFLASH_LAUNCH_PLANS", "0")   # every call prepared, and poisoned, afresh
+    for _ in range(3):
+        test_sm90_backward_matches_the_reference(case, dtype, request)
+    overlaps = case[5] > 64 and not case[6].get("causal")
+    assert kinds.count("f") == 3 and kinds.count("i") == (3 if overlaps else 0)
+
+
 # deterministic=True on the Hopper backward: dense and causal calls, every head-dim kernel,
 # GQA, more key blocks than one (their order is what is fixed) and tails.
 SM90_DETERMINISTIC_CASES = [
