@@ -950,10 +950,12 @@ def _row_map(x, dtype, rows):
     return desc
 
 
-def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, rows, packed=None, done=0):
-    """Launch the Hopper dK/dV pass of ``rows`` queries per step (``sm90_bwd_rows``); ``done``:
-    where its blocks count themselves finished per (batch, kv head), or 0. Returns its blocks
-    per (batch, kv head) (key tiles)."""
+def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, rows, packed, done, preprocess):
+    """Launch ``preprocess`` and then the Hopper dK/dV pass of ``rows`` queries per step
+    (``sm90_bwd_rows``), its programmatic dependent, with nothing queued between them (the
+    block lists and the deterministic counters are made first); ``done``: where its blocks
+    count themselves finished per (batch, kv head), or 0. Returns its blocks per (batch, kv
+    head) (key tiles)."""
     b, sq, sk = _dims(q, k, packed)
     h, hk = q.shape[2], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
@@ -982,6 +984,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
         tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
     # The preprocess's programmatic dependent: its blocks take the SMs that the preprocess's
     # last wave leaves and start their copies (cuda/bwd_sm90.cu).
+    preprocess()
     _launch("bwd_sm90.cu", _bwd_sm90_name(spec, hd, rows), grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods,
             dependent=True)
     return tiles
@@ -1137,18 +1140,23 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
         done = np.uint64(counts.data.ptr)
     step = sm90_bwd_step(spec, block_mask, deterministic, sq) if hopper else 0
     strips = dq_accum is not None and step == 80   # the buffer in cuda/bwd.cu's DQ_STRIPS
-    _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
-            (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))
+    def preprocess():
+        _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
+                (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))
     if deterministic and (dq_accum is not None) != hopper:
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
-    if dq_accum is not None and hopper:
+    hopper_pass = dq_accum is not None and hopper
+    if not hopper_pass:
+        preprocess()
+    if hopper_pass:
         # The 80-row kernel clips its adds to the 16-row tiles that hold rows; the others add
         # whole steps.
         if (dq_accum.shape != dq_accum_shape(q.shape, packed) or dq_accum.shape[2] % (16 if step == 80 else step)
                 or dq_accum.shape[3] != hd):
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
-        tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, step, packed, done)
+        tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, step, packed, done,
+                               preprocess)
         # At 16K tokens x 2048 it reads 128 MiB (~60 us on the H200, 4% of a d=128 2K
         # backward), and the pass's last wave leaves SMs idle. The 80-row pass's column strips
         # are read through 16 rows of shared memory.
