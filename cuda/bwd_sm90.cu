@@ -1,10 +1,10 @@
-// The dK/dV pass of the backward for Hopper (sm_90a), with dQ added atomically (bwd.cu's
-// fp32 buffer and its convert kernel). It runs as bwd_preprocess_kernel's programmatic
-// dependent: its blocks may start beside the preprocess's last ones and copy K, V, Q and dO,
-// and wait for the preprocess (D, lse in log2 units, the buffer zeroed) before they use them. One thread block per (key block, kv head, batch) keeps dK and dV in registers
-// while it walks every query block (64 rows; 128 at head dim 64) of every query head of its
-// group (BwdSteps), as bwd.cu's pass does, with Hopper's units. Two kernels share the block's
-// skeleton:
+// The dK/dV pass of the backward for Hopper (sm_90a), with dQ added atomically (bwd.cu's fp32
+// buffer and its convert kernel). It runs as bwd_preprocess_kernel's programmatic dependent: its
+// blocks may start beside the preprocess's last ones and copy K, V, Q and dO, and wait for the
+// preprocess (D, lse in log2 units, the buffer zeroed) before they use them. One thread block per
+// (key block, kv head, batch) keeps dK and dV in registers while it walks every query block (64
+// rows; 128 at head dim 64) of every query head of its group (BwdSteps), as bwd.cu's pass does,
+// with Hopper's units. Two kernels share the block's skeleton:
 // - a producer warpgroup (bwd_sm90_produce, registers given back): one thread copies K and V
 //   once and Q and dO per query block into two stages (tensor maps, mbarriers; a stage is
 //   reused once every consumer thread has released it), one warp the rows' lse and D next to
@@ -116,7 +116,7 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
     const BwdParams& p = steps.p;
     const int pw = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
     if (pw > 1 || (pw == 0 && lane != 0)) return;
-    if (pw == 1) wait_for_primary();   // the preprocess's lse and D; the copies of K, V, Q and dO go first
+    if (pw == 1) wait_for_primary();   // lse and D (the preprocess's); K, V, Q and dO go first
     if (pw == 0) {
         mbar_expect_bytes(&bar.kv_full, 2 * KeyTiles * Chunks * Sub * 2);
         for (int kt = 0; kt < KeyTiles; ++kt)
@@ -309,16 +309,15 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
     return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
 }
 
-// Where the host sets tp.dq_done (_launch.convert_overlaps: not causal, head dims above 64),
-// the dQ convert kernel runs as this pass's programmatic dependent (launch_dependents in every
-// block once the preprocess is done) and waits per (batch, kv head) until all of its blocks
-// have counted themselves there. A block counts once all its writes are complete, the dQ adds and dK, dV
-// alike, so that the convert's end also means the pass's. count_block_done by one thread;
-// block_done by every consumer thread at the end (each warp's lane 0 has waited for its bulk
-// adds and the storing threads for their bulk stores). Without tp.dq_done block_done costs
-// nothing (its fence and barrier measured 1.5-2% at d = 64 causal 2K). The causal kernels
-// compile neither the trigger nor block_done: the d = 256 one ran 2.5% slower with them (A/B,
-// H200).
+// Where the host sets tp.dq_done (_launch.convert_overlaps: not causal, head dims above 64), the dQ
+// convert kernel runs as this pass's programmatic dependent (launch_dependents in every block once
+// the preprocess is done) and waits per (batch, kv head) until all of its blocks have counted
+// themselves there. A block counts once all its writes are complete, the dQ adds and dK, dV alike,
+// so that the convert's end also means the pass's. count_block_done by one thread; block_done by
+// every consumer thread at the end (each warp's lane 0 has waited for its bulk adds and the storing
+// threads for their bulk stores). Without tp.dq_done block_done costs nothing (its fence and
+// barrier measured 1.5-2% at d = 64 causal 2K). The causal kernels compile neither the trigger nor
+// block_done: the d = 256 one ran 2.5% slower with them (A/B, H200).
 __device__ __forceinline__ void count_block_done(const BwdSm90Params& tp, const BlockCoord& at) {
     if (tp.dq_done == nullptr) return;
     wait_for_primary();   // the preprocess zeroes the counts

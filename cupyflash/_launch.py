@@ -1146,7 +1146,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     if deterministic and (dq_accum is not None) != hopper:
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
     hopper_pass = dq_accum is not None and hopper
-    if not hopper_pass:
+    if not hopper_pass:   # the Hopper pass launches it right before itself (_backward_sm90)
         preprocess()
     if hopper_pass:
         # The 80-row kernel clips its adds to the 16-row tiles that hold rows; the others add
