@@ -1133,7 +1133,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     varlen = (str(_spec.SEQ_PACKED),) if spec.varlen else ()
     hopper = bwd_family(spec, block_mask, q, k, v, out, dout, dq, dk, dv,
                         deterministic=deterministic) == "sm90"
-    overlap = dq_accum is not None and hopper and convert_overlaps(spec, block_mask)
+    hopper_pass = dq_accum is not None and hopper
+    overlap = hopper_pass and convert_overlaps(spec, block_mask)
     done = np.uint64(0)   # the counts of finished pass blocks (zeroed by the preprocess)
     if overlap:
         counts = empty(b * hk, np.int32)
@@ -1145,7 +1146,6 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
                 (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))
     if deterministic and (dq_accum is not None) != hopper:
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
-    hopper_pass = dq_accum is not None and hopper
     if not hopper_pass:   # the Hopper pass launches it right before itself (_backward_sm90)
         preprocess()
     if hopper_pass:

@@ -672,6 +672,36 @@ def test_the_backward_kernels_wait_for_the_ones_before_them(case, dtype, request
     assert kinds.count("f") == 3 and kinds.count("i") == (3 if overlaps else 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{}, dict(causal=True), dict(block_mask=True), dict(deterministic=True)],
+                         ids=["dense", "causal", "block_mask", "deterministic"])
+def test_the_hopper_backward_runs_as_a_chain_of_dependent_launches(kw, monkeypatch):
+    """README (Hopper kernels): the preprocess, the dK/dV pass and the convert are queued one
+    right after another, the pass and the convert each as the programmatic dependent of the
+    kernel before it; the buffers the pass needs (the deterministic counters, the block
+    mask's lists) are made before the preprocess, so nothing is queued between the two."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    kw = dict(kw)
+    q, k, v, dout = (cupy.asarray(random_array(np, (1, 300, 4, 128), np.float16, i)) for i in range(4))
+    if kw.pop("block_mask", False):
+        kw["block_mask"] = cf.masks.random(300, 300, 0.5, 0, block_size=128)
+    deterministic = kw.pop("deterministic", False)
+    out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
+    monkeypatch.setenv("CUPYFLASH_LAUNCH_PLANS", "0")   # every step through _launch and _allocate
+    steps = []
+    real_launch, real_allocate = _launch._launch, _launch._allocate
+    monkeypatch.setattr(_launch, "_launch", lambda filename, name, *a, dependent=False, **k: (
+        steps.append((name.split("<")[0], dependent)), real_launch(filename, name, *a, dependent=dependent, **k))[1])
+    monkeypatch.setattr(_launch, "_allocate", lambda *a: (steps.append(("allocate", None)), real_allocate(*a))[1])
+    cf.flash_attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
+    kernels = [name for name, _ in steps]
+    at = kernels.index("bwd_preprocess_kernel")
+    assert steps[at:] == [("bwd_preprocess_kernel", False), ("flash_bwd_sm90_kernel", True),
+                          ("bwd_convert_dq_kernel", True)]
+
+
 # deterministic=True on the Hopper backward: dense and causal calls, every head-dim kernel,
 # GQA, more key blocks than one (their order is what is fixed) and tails.
 SM90_DETERMINISTIC_CASES = [
