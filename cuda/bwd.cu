@@ -15,44 +15,7 @@
 #include "score_mod.cuh"
 #include "dropout.cuh"
 #include "epilogue.cuh"
-
-// Row `row` of head h of a row statistic (lse, D, lse in log2 units).
-template <typename Acc, typename Seq>
-__device__ __forceinline__ Acc* stat_ptr(const void* base, const Seq& seq, int h, int row) {
-    return static_cast<Acc*>(const_cast<void*>(base)) + seq.stat(h, row);
-}
-
-// lse in log2 units for exp2(s * mult - lse2); a row that saw no key (lse = -inf) gets
-// +inf, so that its probabilities are exactly 0.
-__device__ __forceinline__ float lse_log2(float lse) {
-    return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
-}
-
-// The fp32 dQ buffer: dQ of each (batch, head) in tiles of 16 rows x 8 columns, row-major,
-// each tile in the order of an mma accumulator (register e of lane L at e * 32 + L), so that
-// the 32 lanes adding one register write 128 contiguous bytes, one memory line, where a
-// row-major buffer spreads them over 8 rows. Tile (rt, ct) of (b, h) starts at float
-// (((b * nheads + h) * (dq_accum_rows / 16) + rt) * (dq_accum_cols / 8) + ct) * DQ_TILE.
-// The Hopper pass (bwd_sm90.cu) adds whole tiles by the copy engine from a stage that each
-// thread fills with one 16-byte store per tile: its tiles are lane-major (register e of lane
-// L at L * 4 + e). Its 80-query kernel makes dQ^T, whose fragments hold 2 queries x 2
-// columns 8 apart, and adds a warp's 16 columns x 80 queries at once: its buffer is in column
-// strips (seqinfo.cuh's accum_strip_block) of 16 x 16 blocks, each its queries 0-7 and then
-// 8-15 as 16 columns x 8 queries lane-major (DQ_STRIPS).
-constexpr int DQ_TILE = 16 * 8;
-enum DqLayout { DQ_MMA = 0, DQ_LANES = 1, DQ_STRIPS = 2 };
-
-// The thread's lane in tile `tile` (rows 16 tile ..), column 0, of head h of seq's entry.
-template <typename Seq>
-__device__ __forceinline__ float* dq_tile_lane(const BwdParams& p, const Seq& seq, int h, int tile, int lane) {
-    return p.dq_accum + seq.accum_tile(h, tile) * (p.dq_accum_cols / 8) * DQ_TILE + lane;
-}
-
-// Rows and threads per block of bwd_preprocess_kernel, and the largest block of
-// bwd_convert_dq_kernel (its loops stride by blockDim): the host launches them with
-// _launch.PREPROCESS_ROWS, PREPROCESS_THREADS and DQ_CONVERT_THREADS (tests/test_params.py).
-constexpr int PREPROCESS_ROWS = 64, PREPROCESS_THREADS = 256;
-constexpr int DQ_CONVERT_THREADS = 256;
+#include "bwd_rows.cuh"
 
 // grid (ceil(seqlen_q / PREPROCESS_ROWS), nheads, batch). Writes D, and for the tensor-core
 // passes lse in log2 units (the plain kernels convert lse themselves); where the pass adds dQ
@@ -107,23 +70,7 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
             if constexpr (sizeof(S) == 2) *stat_ptr<float>(p.lse_log2, seq, h, row) = lse_log2(lse);
         }
     }
-    // The block's 16-row tiles, one contiguous span of whole tiles in either tile order; the
-    // block with the last row also zeroes the tiles after it up to a multiple of ACCUM_ALIGN
-    // rows, into which the passes' whole query blocks (up to 128 rows) add too.
-    if (p.dq_accum != nullptr) {
-        constexpr int TILES = PREPROCESS_ROWS / 16;
-        const int sq = seq.seqlen_q(), tile0 = blockIdx.x * TILES;
-        const int end = blockIdx.x == (sq - 1) / PREPROCESS_ROWS ? (sq + ACCUM_ALIGN - 1) / ACCUM_ALIGN * (ACCUM_ALIGN / 16)
-                                                                  : tile0 + TILES;
-        const int tiles = tile0 * 16 < sq ? end - tile0 : 0;
-        // In strips: one span per strip.
-        const int spans = dq_strips ? p.dq_accum_cols / 16 : 1, n = tiles * 16 * p.dq_accum_cols / 4 / spans;
-        for (int s = 0; tiles > 0 && s < spans; ++s) {
-            float4* span = reinterpret_cast<float4*>(dq_strips ? p.dq_accum + accum_strip_block(seq, h, tile0, s)
-                                                               : dq_tile_lane(p, seq, h, tile0, 0));
-            for (int i = threadIdx.x; i < n; i += PREPROCESS_THREADS) span[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    }
+    zero_dq_rows<PREPROCESS_THREADS>(p, seq, h, blockIdx.x, dq_strips, threadIdx.x);
     // The Hopper pass's count of finished dK/dV blocks of this (batch, kv head) starts at 0.
     if (dq_done != nullptr && blockIdx.x == 0 && h % p.group == 0 && threadIdx.x == 0)
         dq_done[blockIdx.z * p.nheads_k + h / p.group] = 0;
@@ -138,7 +85,8 @@ __global__ void __launch_bounds__(PREPROCESS_THREADS) bwd_preprocess_kernel(cons
 // thread), written row by row (DQ_STRIPS: column pairs). Seq: the rows' layout.
 template <typename Elem, int Layout, int Seq = SEQ_DENSE>
 __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p, const int* dq_done,
-                                                                             int dq_done_target) {
+                                                                             int dq_done_target,
+                                                                             const int* ready) {
     extern __shared__ float strip[];   // 16 rows x (cols + 1): the odd stride spreads the banks
     const SeqInfo<BwdParams, Seq> seq(p, blockIdx.z);
     const int h = blockIdx.y, row0 = blockIdx.x * 16;
@@ -160,6 +108,18 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
         __syncthreads();
     } else {
         wait_for_primary();
+    }
+    // With the preprocess beside the pass (`ready`; 64-query steps, whose buffer is DQ_LANES), its
+    // rows' zeros too: the pass adds into no tile of rows that no key sees, and may end before
+    // the preprocess does.
+    if (Layout == DQ_LANES && ready != nullptr) {
+        if (threadIdx.x == 0) {
+            const int blocks_q = (p.seqlen_q + PREPROCESS_ROWS - 1) / PREPROCESS_ROWS;
+            while (ld_acquire(ready + (static_cast<index_t>(blockIdx.z) * p.nheads + h) * blocks_q +
+                              row0 / PREPROCESS_ROWS) < BESIDE_ARRIVALS) {
+            }
+        }
+        __syncthreads();
     }
     // Columns c and c + 1 (if the head dim has it) of row `row`, one 32-bit word where aligned.
     auto store_pair = [&](int row, int c, float a, float b) {

@@ -1,7 +1,9 @@
 // The dK/dV pass of the backward for Hopper (sm_90a), with dQ added atomically (bwd.cu's fp32
 // buffer and its convert kernel). It runs as bwd_preprocess_kernel's programmatic dependent: its
 // blocks may start beside the preprocess's last ones and copy K, V, Q and dO, and wait for the
-// preprocess (D, lse in log2 units, the buffer zeroed) before they use them. One thread block per
+// preprocess (D, lse in log2 units, the buffer zeroed) before they use them; at head dim 128 with
+// 64-query steps the preprocess runs beside the whole pass instead (bwd_preprocess_beside_kernel),
+// and the pass waits per step for the rows it reads. One thread block per
 // (key block, kv head, batch) keeps dK and dV in registers while it walks every query block (64
 // rows; 128 at head dim 64) of every query head of its group (BwdSteps), as bwd.cu's pass does,
 // with Hopper's units. Two kernels share the block's skeleton:
@@ -41,6 +43,7 @@
 #include "score_mod.cuh"
 #include "block_iter.cuh"
 #include "epilogue.cuh"
+#include "bwd_rows.cuh"
 
 // BwdParams and the tensor maps of q, k, v, dout, dk and dv (head dim, heads, rows, batch;
 // boxes of 64 x 64).
@@ -49,11 +52,163 @@ struct BwdSm90Params {
     BwdParams base;
     int* dq_order;   // deterministic dQ: one counter per (batch, head, query block); else null
     int* dq_done;    // per (batch, kv head), the blocks that have finished (block_done); or null
+    // The preprocess beside the pass (bwd_preprocess_beside_kernel): a flag per (batch, query
+    // head, PREPROCESS_ROWS rows), set once their D, lse and zeroed dQ tiles are written; or
+    // null (the pass is bwd_preprocess_kernel's dependent and waits for all of it).
+    const int* ready;
 };
 
-// bwd.cu's dQ buffer: tiles of 16 rows x 8 columns, lane-major here (register e of lane L
-// at L * 4 + e: one 16-byte store per tile and thread into a stage).
-constexpr int SM90_DQ_TILE = 16 * 8;
+// With tp.ready: until the preprocess has written rows [row0, row0 + rows) of head h of batch
+// entry b (rows past seqlen_q not waited for), by the warp's lane 0.
+__device__ __forceinline__ void wait_ready(const BwdSm90Params& tp, int b, int h, int row0, int rows, int seqlen_q,
+                                           int lane) {
+    if (lane == 0) {
+        const BwdParams& p = tp.base;
+        const int blocks_q = (p.seqlen_q + PREPROCESS_ROWS - 1) / PREPROCESS_ROWS, last = min(row0 + rows, seqlen_q) - 1;
+        const int* unit = tp.ready + (static_cast<index_t>(b) * p.nheads + h) * blocks_q;
+        for (int x = row0 / PREPROCESS_ROWS; x <= last / PREPROCESS_ROWS; ++x)
+            while (ld_acquire(unit + x) < BESIDE_ARRIVALS) {
+            }
+    }
+    __syncwarp();
+}
+
+// Whether a pass kernel reads the preprocess beside it (tp.ready, which _launch.preprocess_beside
+// sets for head dim 128, 64-query steps and dense rows): its statistics warp waits per step for
+// the flags, and no thread waits for the preprocess's end. Elsewhere that wait, in a warp of 24
+// registers a thread, made ptxas serialize the consumers' wgmma (80 queries) or spill (d = 64,
+// NVRTC 13.0); the other kernels compile as without it.
+template <int HeadDim, int Br, typename V>
+__device__ constexpr bool reads_beside() {
+    return V::Seq == SEQ_DENSE && HeadDim == 128 && Br == 64;
+}
+
+// The preprocess beside the pass (_launch.preprocess_beside): bwd_preprocess_kernel's work
+// (bwd_rows.cuh's units of PREPROCESS_ROWS rows of one query head) on a few SMs, one block each,
+// while the pass (its programmatic dependent: every block here triggers it first) runs on the
+// others and waits per step for its units' flags (wait_ready). The units go in the order the
+// pass first reads them: `group_pairs` (batch, kv head) pairs at a time (a causal pass's launch
+// group; else the pairs of its first wave), each group's row blocks in order, all its pairs'
+// query heads at each. Two roles, so that the reads never wait on the writes:
+// - BESIDE_LOADERS warps sum the rows: their first thread has the copy engine bring each unit's
+//   O and dO (64-column boxes, the pass's dout map) into `stages` slots on mbarriers, refilled
+//   once the role has summed them (4 threads a row); the sums go to a ring of BESIDE_RING rows
+//   of D in shared memory;
+// - BESIDE_WRITERS groups of BESIDE_ARRIVALS warps take the units in turn and write each one's
+//   D (from the ring), lse in log2 units and zeroed dQ tiles; then each warp adds 1 to the
+//   unit's flag, a release that waits for its own writes and stalls that warp alone, so that one
+//   group's stores run while another's drain. The flag is set at BESIDE_ARRIVALS.
+// Measured alone (benchmarks/NOTES.md, forty-sixth session): an SM's stores run at ~63 GB/s and
+// its bulk loads at ~114; copies a row at a time (~110 clocks each) and a release per unit in
+// the warps that also load held earlier forms of this kernel to 17-33 GB/s an SM.
+struct BesideParams {
+    TmaDesc o, dout;   // head dim, heads, rows, batch; boxes of 64 x PREPROCESS_ROWS
+    BwdParams base;
+    int* ready;
+    int stages, group_pairs;
+};
+constexpr int BESIDE_RING = 4;
+constexpr int BESIDE_THREADS = 32 * (BESIDE_LOADERS + BESIDE_WRITERS * BESIDE_ARRIVALS), BESIDE_MAX_STAGES = 8;
+
+template <typename Elem>
+__global__ void __launch_bounds__(BESIDE_THREADS, 1) bwd_preprocess_beside_kernel(const __grid_constant__ BesideParams bp) {
+    typedef ElemTraits<Elem> Tr;
+    typedef typename Tr::storage S;
+    constexpr int LOADERS = 32 * BESIDE_LOADERS, LANES = LOADERS / PREPROCESS_ROWS, WRITERS = 32 * BESIDE_ARRIVALS;
+    constexpr int BOX = 64 * PREPROCESS_ROWS;   // elements of a 64-column box
+    static_assert(sizeof(S) == 2 && LANES == 4 && WRITERS >= PREPROCESS_ROWS, "4 threads a row");
+    launch_dependents();
+    const BwdParams& p = bp.base;
+    extern __shared__ unsigned char smem_raw[];
+    // Slots of 2 x boxes boxes (O's, then dO's), 1024-byte aligned for the 128-byte swizzle.
+    u16* slots = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
+    __shared__ __align__(8) unsigned long long full[BESIDE_MAX_STAGES], summed[BESIDE_RING], taken[BESIDE_RING];
+    __shared__ float ring[BESIDE_RING][PREPROCESS_ROWS];
+    const int boxes = (p.headdim + 63) / 64, slot = 2 * boxes * BOX, stages = bp.stages;
+    const int blocks_q = (p.seqlen_q + PREPROCESS_ROWS - 1) / PREPROCESS_ROWS, group = p.group;
+    const int pairs = p.batch * p.nheads_k, units = pairs * group * blocks_q, gp = bp.group_pairs;
+    // Unit i of the order above: its row block, query head and batch entry.
+    auto unit_of = [&](int i) {
+        const int g = i / (gp * group * blocks_q), rem = i - g * gp * group * blocks_q;
+        const int per_x = min(gp, pairs - g * gp) * group, in_x = rem % per_x;
+        const int pair = g * gp + in_x / group;
+        return make_int3(rem / per_x, pair % p.nheads_k * group + in_x % group, pair / p.nheads_k);
+    };
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) mbar_init(&full[s], 1);
+        for (int j = 0; j < BESIDE_RING; ++j) {
+            mbar_init(&summed[j], LOADERS);
+            mbar_init(&taken[j], WRITERS);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+    if (warp >= BESIDE_LOADERS) {
+        // The block's k-th unit (k = the writer group mod BESIDE_WRITERS) through ring row k % BESIDE_RING.
+        const int wg = (warp - BESIDE_LOADERS) / BESIDE_ARRIVALS, t = threadIdx.x - LOADERS - wg * WRITERS;
+        for (int k = wg, i = blockIdx.x + wg * gridDim.x; i < units; k += BESIDE_WRITERS, i += BESIDE_WRITERS * gridDim.x) {
+            const int3 at = unit_of(i);
+            const SeqInfo<BwdParams, SEQ_DENSE> seq(p, at.z);
+            const int row = at.x * PREPROCESS_ROWS + t;
+            const bool in = t < PREPROCESS_ROWS && row < seq.seqlen_q();
+            const float lse = in ? *stat_ptr<const float>(p.lse, seq, at.y, row) : 0.f;
+            mbar_wait(&summed[k % BESIDE_RING], (k / BESIDE_RING) & 1);
+            const float d = t < PREPROCESS_ROWS ? ring[k % BESIDE_RING][t] : 0.f;
+            mbar_arrive(&taken[k % BESIDE_RING]);
+            if (in) {
+                *stat_ptr<float>(p.dsum, seq, at.y, row) = d;
+                *stat_ptr<float>(p.lse_log2, seq, at.y, row) = lse_log2(lse);
+            }
+            zero_dq_rows<WRITERS>(p, seq, at.y, at.x, 0, t);
+            __syncwarp();
+            if (lane == 0) red_release_add(bp.ready + (at.z * p.nheads + at.y) * blocks_q + at.x, 1);
+        }
+        return;
+    }
+    // By the first thread: unit i's O and dO into slot s (rows past the tensor arrive as zeros).
+    auto fetch = [&](int i, int s) {
+        const int3 at = unit_of(i);
+        const SeqInfo<BwdParams, SEQ_DENSE> seq(p, at.z);
+        mbar_expect_bytes(&full[s], 2 * boxes * BOX * 2);
+        const int row = seq.q_map_row(at.x * PREPROCESS_ROWS), batch = seq.map_batch();
+        for (int c = 0; c < boxes; ++c) {
+            tma_load_4d(slots + s * slot + c * BOX, bp.o, 64 * c, at.y, row, batch, &full[s]);
+            tma_load_4d(slots + s * slot + (boxes + c) * BOX, bp.dout, 64 * c, at.y, row, batch, &full[s]);
+        }
+    };
+    if (threadIdx.x == 0)
+        for (int s = 0; s < stages && blockIdx.x + s * gridDim.x < units; ++s) fetch(blockIdx.x + s * gridDim.x, s);
+    const int r = threadIdx.x / LANES, l = threadIdx.x % LANES;
+    for (int k = 0, i = blockIdx.x; i < units; ++k, i += gridDim.x) {
+        const int s = k % stages;
+        mbar_wait(&full[s], (k / stages) & 1);
+        // Row r's 128 bytes of a box: its 16-byte chunks in the swizzle's order, the same in O
+        // and dO, so that a row's sum needs no unswizzling. Of a quarter warp's two rows, one
+        // reads chunks 0-3 while the other reads 4-7: no bank is read twice.
+        const u16* o = slots + s * slot + r * 64;
+        float sum = 0.f;
+        for (int c = 0; c < boxes; ++c)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int at_chunk = c * BOX + 8 * (l + 4 * ((r + j) & 1));
+                const uint4 ov = *reinterpret_cast<const uint4*>(o + at_chunk);
+                const uint4 dv = *reinterpret_cast<const uint4*>(o + boxes * BOX + at_chunk);
+                const S* oe = reinterpret_cast<const S*>(&ov);
+                const S* de = reinterpret_cast<const S*>(&dv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) sum += Tr::load(oe + e) * Tr::load(de + e);
+            }
+#pragma unroll
+        for (int off = LANES / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        // Ring row k % BESIDE_RING, once its writers have taken its last unit's sums.
+        if (k >= BESIDE_RING) mbar_wait(&taken[k % BESIDE_RING], (k / BESIDE_RING - 1) & 1);
+        if (l == 0) ring[k % BESIDE_RING][r] = sum;
+        mbar_arrive(&summed[k % BESIDE_RING]);
+        named_bar_sync(1, LOADERS);   // slot s read by every loader thread
+        if (threadIdx.x == 0 && i + stages * static_cast<int>(gridDim.x) < units) fetch(i + stages * gridDim.x, s);
+    }
+}
 
 // The steps of a dK/dV block (key tile n_tile of kv head hk, Bc keys): (query head of the
 // group, query block of Br rows) pairs in order, heads without blocks skipped. The producer
@@ -115,8 +270,10 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
     constexpr int Sub = 64 * 64;
     const BwdParams& p = steps.p;
     const int pw = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+    constexpr bool Beside = reads_beside<64 * Chunks, Br, V>();
     if (pw > 1 || (pw == 0 && lane != 0)) return;
-    if (pw == 1) wait_for_primary();   // lse and D (the preprocess's); K, V, Q and dO go first
+    // lse and D (the preprocess's): all of them, or with tp.ready each step's; K, V, Q and dO go first
+    if (pw == 1 && (tp.ready == nullptr || !Beside)) wait_for_primary();
     if (pw == 0) {
         mbar_expect_bytes(&bar.kv_full, 2 * KeyTiles * Chunks * Sub * 2);
         for (int kt = 0; kt < KeyTiles; ++kt)
@@ -129,6 +286,10 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
     int g = 0;   // query blocks passed: block g goes through stage g % Stages
     for (auto cur = steps.first(); !steps.done(cur); cur = steps.next(cur), ++g) {
         const int buf = g % Stages, h = steps.head(cur), m0 = steps.row0(cur);
+        // The step's rows' flags before its stage is free: the wait's round trip runs under the
+        // steps before.
+        if constexpr (Beside)
+            if (pw == 1 && tp.ready != nullptr) wait_ready(tp, seq.b, h, m0, Br, seq.seqlen_q(), lane);
         if (g >= Stages) mbar_wait(&bar.qd_empty[buf], (g / Stages - 1) & 1);
         if (pw == 0) {
             mbar_expect_bytes(&bar.qd_full[buf], 2 * Chunks * Br * 64 * 2);
@@ -161,7 +322,7 @@ __device__ __forceinline__ void stage_dq_rows(float* stage, const float (&dq)[4 
     const u32 at = smem_addr(stage + 4 * lane);
 #pragma unroll
     for (int j = 0; j < Tiles; ++j)
-        st_shared(at + 4 * j * SM90_DQ_TILE, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+        st_shared(at + 4 * j * DQ_TILE, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
 }
 // The stage then added into the buffer at the warp's first tile `gdq` by one bulk reduce-add
 // of `valid` tiles.
@@ -169,7 +330,7 @@ __device__ __forceinline__ void push_dq_rows(float* gdq, const float* stage, int
     fence_proxy_async();
     __syncwarp();
     if (lane == 0 && valid > 0) {
-        bulk_reduce_add_f32(gdq, stage, valid * SM90_DQ_TILE * 4);
+        bulk_reduce_add_f32(gdq, stage, valid * DQ_TILE * 4);
         bulk_commit();
     }
 }
@@ -306,7 +467,7 @@ __device__ __forceinline__ void user_probs_t(const float (&st)[1][NT][4], const 
 // The fp32 dQ buffer's tile of rows row0.. (a multiple of 16) and column col (of 8) of head h.
 template <typename Seq>
 __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, int h, int row0, int col) {
-    return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * SM90_DQ_TILE;
+    return p.dq_accum + (seq.accum_tile(h, row0 / 16) * (p.dq_accum_cols / 8) + col / 8) * DQ_TILE;
 }
 
 // Where the host sets tp.dq_done (_launch.convert_overlaps: not causal, head dims above 64), the dQ
@@ -318,16 +479,19 @@ __device__ __forceinline__ float* dq_tile(const BwdParams& p, const Seq& seq, in
 // threads for their bulk stores). Without tp.dq_done block_done costs nothing (its fence and
 // barrier measured 1.5-2% at d = 64 causal 2K). The causal kernels compile neither the trigger nor
 // block_done: the d = 256 one ran 2.5% slower with them (A/B, H200).
+template <bool Beside = false>
 __device__ __forceinline__ void count_block_done(const BwdSm90Params& tp, const BlockCoord& at) {
     if (tp.dq_done == nullptr) return;
-    wait_for_primary();   // the preprocess zeroes the counts
+    // The preprocess zeroes the counts; the one beside the pass has them zeroed by the host.
+    if (!Beside || tp.ready == nullptr) wait_for_primary();
     red_release_add(tp.dq_done + at.batch * tp.base.nheads_k + at.head, 1);
 }
+template <bool Beside = false>
 __device__ __forceinline__ void block_done(const BwdSm90Params& tp, const BlockCoord& at) {
     if (tp.dq_done == nullptr) return;
     fence_proxy_async_all();
     named_bar_sync(6, 256);
-    if (threadIdx.x == 0) count_block_done(tp, at);
+    if (threadIdx.x == 0) count_block_done<Beside>(tp, at);
 }
 
 // The counter of the query block from row 64 m of head h (tp.dq_order: batch, nheads, 64-row
@@ -437,7 +601,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         push_dq_rows(gdq, stage, dq_valid, lane);
         if (order) dq_turn_end(order, lane);
     };
-    wait_for_primary();   // the dQ buffer's tiles zeroed (the preprocess)
+    // The dQ buffer's tiles zeroed (the preprocess); beside the pass, each step's rows, behind
+    // the statistics warp's wait for them.
+    constexpr bool Beside = reads_beside<HeadDim, Br, V>();
+    if (!Beside || tp.ready == nullptr) wait_for_primary();
     // The convert may start once every block has got here: the preprocess is done (it zeroes
     // the counts the convert waits for).
     if constexpr (!V::Causal) launch_dependents();
@@ -635,7 +802,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
         copy_stage_rows<Halves, 128>(stV, seq.template k_row<u16>(p.dv, at.head, my_col0), p.dv.row_stride, rows,
                                      p.headdim, tid);
     }
-    if constexpr (!V::Causal) block_done(tp, at);
+    if constexpr (!V::Causal) block_done<Beside>(tp, at);
 }
 
 // The dK/dV pass at head dim 256 (buckets 160 to 256), where one warpgroup's dK and dV for 64

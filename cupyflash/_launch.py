@@ -74,6 +74,13 @@ DQ_CONVERT_THREADS = 256
 DQ_MMA, DQ_LANES, DQ_STRIPS = 0, 1, 2
 # cuda/bwd.cu's bwd_preprocess_kernel: rows and threads per block.
 PREPROCESS_ROWS, PREPROCESS_THREADS = 64, 256
+# cuda/bwd_sm90.cu's bwd_preprocess_beside_kernel: threads per block (one block an SM) and the
+# most slots of rows it keeps in flight.
+BESIDE_THREADS, BESIDE_MAX_STAGES = 768, 8
+# Its slots' shared memory at every head dim (three at 256), and 1 KB to align them: one kernel
+# serves them all, and its opt-in limit is set once per size (_kernel), so a second size would
+# be refused after a first.
+BESIDE_SLOTS = 192 * 1024
 
 # C++ spelling of the element type of each dtype in the kernels' template names.
 ELEM = {"float16": "fp16", "bfloat16": "bf16", "float32": "float", "float64": "double"}
@@ -806,10 +813,17 @@ def kernel_family(spec, block_mask, *arrays):
 # cuda/bwd_sm90.cu's parameters: the tensor maps of q, k, v, dout, dk and dv, BwdParams, the
 # deterministic dQ's counters (or 0) and the counts of finished blocks (or 0).
 _AFTER_BWD = _config.cdiv(6 * _MAP + BWD_PARAMS.itemsize, 8) * 8
-BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base", "dq_order", "dq_done"],
-                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS, np.uint64, np.uint64],
-                            "offsets": [i * _MAP for i in range(7)] + [_AFTER_BWD, _AFTER_BWD + 8],
-                            "itemsize": _config.cdiv(_AFTER_BWD + 16, 64) * 64})
+BWD_SM90_PARAMS = np.dtype({"names": ["q", "k", "v", "dout", "dk", "dv", "base", "dq_order", "dq_done", "ready"],
+                            "formats": [_tma.TMA_DESC] * 6 + [BWD_PARAMS, np.uint64, np.uint64, np.uint64],
+                            "offsets": [i * _MAP for i in range(7)] + [_AFTER_BWD, _AFTER_BWD + 8, _AFTER_BWD + 16],
+                            "itemsize": _config.cdiv(_AFTER_BWD + 24, 64) * 64})
+# cuda/bwd_sm90.cu's BesideParams: the tensor maps of out and dout, BwdParams, the flags, the
+# slots and the pairs of a group.
+_AFTER_BESIDE = _config.cdiv(2 * _MAP + BWD_PARAMS.itemsize, 8) * 8
+BESIDE_PARAMS = np.dtype({"names": ["o", "dout", "base", "ready", "stages", "group_pairs"],
+                          "formats": [_tma.TMA_DESC] * 2 + [BWD_PARAMS, np.uint64, np.int32, np.int32],
+                          "offsets": [0, _MAP, 2 * _MAP, _AFTER_BESIDE, _AFTER_BESIDE + 8, _AFTER_BESIDE + 12],
+                          "itemsize": _config.cdiv(_AFTER_BESIDE + 16, 64) * 64})
 SM90_BWD_KEYS = 128
 
 
@@ -917,6 +931,42 @@ def convert_overlaps(spec, block_mask):
     return not spec.causal and sm90_bwd_headdim(spec.headdim) >= 128
 
 
+def preprocess_beside(spec, step):
+    """Whether the Hopper backward's preprocess runs beside its dK/dV pass of ``step``-query
+    steps rather than before it (cuda/bwd_sm90.cu's bwd_preprocess_beside_kernel): on one SM in
+    PREPROCESS_BESIDE_SMS, its units of rows flagged as they are done, the pass waiting per
+    step for its rows' flags. It reads dout through the pass's tensor map, whose boxes are a
+    step's rows: steps of PREPROCESS_ROWS. Packed rows, 80-query steps and head dim 64 keep it
+    before the pass (the wait in their producer cost registers: cuda/bwd_sm90.cu's
+    reads_beside), and so does head dim 256, where it gained nothing (causal 8K -0.3%, 16K
+    -1%; causal 2K and 4K at d=128 +1.8-2.2%, the window (1024, 0) at 32K +4.1%: H200, bf16,
+    16K tokens, benchmarks/NOTES.md, forty-sixth session)."""
+    return not spec.varlen and step == PREPROCESS_ROWS and sm90_bwd_headdim(spec.headdim) == 128
+
+
+# One SM in this many takes a block of the preprocess beside the pass.
+PREPROCESS_BESIDE_SMS = 8
+
+
+def _preprocess_beside(p, ready, spec, out, tp, tiles):
+    """Launch cuda/bwd_sm90.cu's bwd_preprocess_beside_kernel for the dK/dV pass of ``tiles``
+    key tiles per (batch, kv head) whose parameters ``tp`` (BWD_SM90_PARAMS: its dout map, and
+    its BwdParams ``p`` with the launch group set) it shares, with the flags ``ready``."""
+    bp = np.zeros((), BESIDE_PARAMS)
+    bp["o"] = _row_map(out, spec.dtype, PREPROCESS_ROWS)
+    bp["dout"] = tp["dout"]
+    bp["base"] = p
+    bp["ready"] = ready
+    row_bytes = 2 * _config.cdiv(spec.headdim, 64) * 64 * PREPROCESS_ROWS * 2   # a unit's O and dO boxes
+    bp["stages"] = min(BESIDE_MAX_STAGES, BESIDE_SLOTS // row_bytes)
+    units = int(p["batch"]) * int(p["nheads"]) * _config.cdiv(int(p["seqlen_q"]), PREPROCESS_ROWS)
+    blocks = max(1, min(units, _sm_count() // PREPROCESS_BESIDE_SMS))
+    # The pairs whose units the pass reads first: its launch group, or its first wave's pairs.
+    bp["group_pairs"] = int(p["launch_group"]) or _config.cdiv(_sm_count(), tiles)
+    _launch("bwd_sm90.cu", template_name("bwd_preprocess_beside_kernel", ELEM[spec.dtype]), (blocks, 1, 1),
+            BESIDE_THREADS, BESIDE_SLOTS + 1024, bp[()])
+
+
 def bwd_family(spec, block_mask, *arrays, deterministic=False):
     """"sm90" where the Hopper dK/dV pass (cuda/bwd_sm90.cu) runs this call's backward with dQ
     added by the copy engine into an fp32 buffer, else "generic". It covers fp16/bf16 with
@@ -950,12 +1000,14 @@ def _row_map(x, dtype, rows):
     return desc
 
 
-def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, rows, packed, done, preprocess):
+def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, rows, packed, done, ready,
+                   preprocess):
     """Launch ``preprocess`` and then the Hopper dK/dV pass of ``rows`` queries per step
     (``sm90_bwd_rows``), its programmatic dependent, with nothing queued between them (the
     block lists and the deterministic counters are made first); ``done``: where its blocks
-    count themselves finished per (batch, kv head), or 0. Returns its blocks per (batch, kv
-    head) (key tiles)."""
+    count themselves finished per (batch, kv head), or 0; ``ready``: the flags of the
+    preprocess beside the pass (``preprocess_beside``), or 0. Returns its blocks per (batch,
+    kv head) (key tiles)."""
     b, sq, sk = _dims(q, k, packed)
     h, hk = q.shape[2], k.shape[2]
     hd = sm90_bwd_headdim(spec.headdim)
@@ -977,6 +1029,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
     grid = _tile_grid(p, tiles, hk, b, spec.causal or sm90_grouped(spec, block_mask, backward=True), pair_bytes)
     tp["base"] = p
     tp["dq_done"] = done
+    tp["ready"] = ready
     if deterministic:
         order = zeros((b, h, _config.cdiv(sq, 64)), np.int32)   # per 64 rows
         tp["dq_order"] = order.data.ptr
@@ -984,7 +1037,7 @@ def _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, ro
         tp[name] = _row_map(x, spec.dtype, rows if name in ("q", "dout") else 64)
     # The preprocess's programmatic dependent: its blocks take the SMs that the preprocess's
     # last wave leaves and start their copies (cuda/bwd_sm90.cu).
-    preprocess()
+    preprocess(tiles, tp)
     _launch("bwd_sm90.cu", _bwd_sm90_name(spec, hd, rows), grid, SM90_BWD_THREADS, smem, tp[()], spec.user_mods,
             dependent=True)
     return tiles
@@ -1135,15 +1188,26 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
                         deterministic=deterministic) == "sm90"
     hopper_pass = dq_accum is not None and hopper
     overlap = hopper_pass and convert_overlaps(spec, block_mask)
+    step = sm90_bwd_step(spec, block_mask, deterministic, sq) if hopper else 0
+    beside = hopper_pass and preprocess_beside(spec, step)
     done = np.uint64(0)   # the counts of finished pass blocks (zeroed by the preprocess)
-    if overlap:
+    ready = np.uint64(0)  # the preprocess beside the pass: its units' flags, then the counts
+    if beside:
+        units = b * h * _config.cdiv(sq, PREPROCESS_ROWS)
+        flags = zeros(units + (b * hk if overlap else 0), np.int32)
+        ready = np.uint64(flags.data.ptr)
+        if overlap:
+            done = np.uint64(flags.data.ptr + 4 * units)
+    elif overlap:
         counts = empty(b * hk, np.int32)
         done = np.uint64(counts.data.ptr)
-    step = sm90_bwd_step(spec, block_mask, deterministic, sq) if hopper else 0
     strips = dq_accum is not None and step == 80   # the buffer in cuda/bwd.cu's DQ_STRIPS
-    def preprocess():
-        _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
-                (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))
+    def preprocess(tiles=0, tp=None):
+        if beside:
+            _preprocess_beside(p, ready, spec, out, tp, tiles)
+        else:
+            _launch("bwd.cu", template_name("bwd_preprocess_kernel", elem, *varlen),
+                    (_config.cdiv(sq, PREPROCESS_ROWS), h, b), PREPROCESS_THREADS, 0, (p[()], done, np.int32(strips)))
     if deterministic and (dq_accum is not None) != hopper:
         raise AssertionError("deterministic: a dq_accum is for the Hopper pass only")
     if not hopper_pass:   # the Hopper pass launches it right before itself (_backward_sm90)
@@ -1156,13 +1220,13 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
             raise AssertionError(f"dq_accum {dq_accum.shape}: the Hopper pass adds {step}-row "
                                  f"tiles of {hd} columns")
         tiles = _backward_sm90(p, q, k, v, dout, dk, dv, spec, block_mask, deterministic, step, packed, done,
-                               preprocess)
+                               ready, preprocess)
         # At 16K tokens x 2048 it reads 128 MiB (~60 us on the H200, 4% of a d=128 2K
         # backward), and the pass's last wave leaves SMs idle. The 80-row pass's column strips
         # are read through 16 rows of shared memory.
         layout, strip = (DQ_STRIPS, 16 * (hd + 1) * 4) if strips else (DQ_LANES, 0)
         _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, layout, *varlen), (_config.cdiv(sq, 16), h, b),
-                DQ_CONVERT_THREADS, strip, (p[()], done, np.int32(tiles)), dependent=True)
+                DQ_CONVERT_THREADS, strip, (p[()], done, np.int32(tiles), ready), dependent=True)
     elif spec.dtype in TENSOR_CORE:
         limit = _smem_limit()
         def name_of(t):
@@ -1194,7 +1258,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
         else:
             _launch("bwd.cu", template_name("bwd_convert_dq_kernel", elem, DQ_MMA, *varlen),
                     (_config.cdiv(sq, 16), h, b), DQ_CONVERT_THREADS, 16 * (dq_accum.shape[3] + 1) * 4,
-                    (p[()], done, np.int32(0)))
+                    (p[()], done, np.int32(0), np.uint64(0)))
     else:
         if block_mask is not None:
             _fill_lists(p, block_mask, block_mask.block_q, block_mask.block_k, causal, kv=True, q=True)
@@ -1373,7 +1437,8 @@ def kernel_names(smem_limit, hopper=False):
             _bwd_sm90_name(spec, hd, rows)
             for d in TENSOR_CORE for hd in (64, 128, 256)
             for spec in (dataclasses.replace(s, dtype=d, headdim=hd) for s in variants if not s.dropout)
-            for rows in sm90_bwd_rows_of_variant(hd, spec)]
+            for rows in sm90_bwd_rows_of_variant(hd, spec)] + [
+            template_name("bwd_preprocess_beside_kernel", ELEM[d]) for d in TENSOR_CORE]
     # The decode kernels: every band with softcap and ALiBi (no dropout), both cache layouts.
     names["decode.cu"] = [
         template_name("flash_decode_kernel", ELEM[d], hd, dataclasses.replace(s, seq=seq).variant())

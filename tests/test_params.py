@@ -50,6 +50,7 @@ def test_params_struct_offsets_match_numpy_dtype(cname, dtype):
 @pytest.mark.parametrize("filename,cname,dtype", [
     ("fwd_sm90.cu", "FwdSm90Params", _launch.FWD_SM90_PARAMS),
     ("bwd_sm90.cu", "BwdSm90Params", _launch.BWD_SM90_PARAMS),
+    ("bwd_sm90.cu", "BesideParams", _launch.BESIDE_PARAMS),
     ("decode.cu", "DecodeParams", _launch.DECODE_PARAMS),
 ])
 def test_kernel_parameters_match_numpy_dtype(filename, cname, dtype):
@@ -75,11 +76,13 @@ def test_kernel_parameters_match_numpy_dtype(filename, cname, dtype):
                 f"static_assert(ACCUM_ALIGN == {_launch.VARLEN_ACCUM_ALIGN}, \"ACCUM_ALIGN\");",
                 f"static_assert(SEQ_DENSE == {_spec.SEQ_DENSE} && SEQ_PACKED == {_spec.SEQ_PACKED} && "
                 f"SEQ_CACHE == {_spec.SEQ_CACHE} && SEQ_PAGED == {_spec.SEQ_PAGED}, \"SEQ\");"]),
+    ("bwd_sm90.cu", [f"static_assert(BESIDE_THREADS == {_launch.BESIDE_THREADS} && BESIDE_MAX_STAGES == "
+                     f"{_launch.BESIDE_MAX_STAGES}, \"BESIDE\");"]),
     ("decode.cu", [f"static_assert(DECODE_KEYS == {_launch.DECODE_KEYS} && DECODE_WARPS * 32 == "
                    f"{_launch.DECODE_THREADS}, \"DECODE\");"] +
      [f"static_assert(decode_smem<{hd}>() == {_launch.decode_smem(hd)}, \"decode_smem {hd}\");"
       for hd in _config.HEAD_DIM_BUCKETS]),
-], ids=["tile constants", "backward helper launches", "decode launches"])
+], ids=["tile constants", "backward helper launches", "hopper backward", "decode launches"])
 def test_constants_the_kernels_repeat(filename, asserts):
     log = _compile_log(filename, asserts)
     assert log is None, log

@@ -649,3 +649,15 @@ def test_readme_compile_check_sizes_are_the_instantiation_lists():
     for arch, claimed in ((80, n80), (90, n90)):
         names = _launch.kernel_names(_config.SMEM_LIMIT[arch], hopper=arch == 90)
         assert round(sum(map(len, names.values())), -2) == int(claimed), arch
+
+
+def test_readme_beside_preprocess_gains_are_the_cited_run():
+    """The Hopper backward's preprocess beside its pass: the causal 2K and 4K range and the
+    window's gain read from the A/B the README names (d=128 cells, tree "new" over base)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"d=128: causal 2K and 4K ([\d.]+)-([\d.]+)% faster, the window \(1024, 0\) at 32K ([\d.]+)% "
+                  r"faster, `(benchmarks/results/[^`]+\.json)`", text)
+    gains = {cell: g for (cell,), g in _tree_gains(m.group(4), "new").items()}
+    causal = [gains["128:2048:1:bwd"], gains["128:4096:1:bwd"]]
+    assert (m.group(1), m.group(2)) == (f"{min(causal):.1f}", f"{max(causal):.1f}")
+    assert m.group(3) == f"{gains['128:32768:1:bwd:window']:.1f}"

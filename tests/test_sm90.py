@@ -645,7 +645,10 @@ def test_the_dq_convert_overlaps_the_pass_unless_causal_from_head_dim_128(d, kw,
     # Few pass blocks over many rows: the preprocess (a block per 64 rows of a head) runs
     # waves, and the last kv head's count is zeroed in its last one, when the pass and the
     # convert may already be there.
-    (1, 4096, 128, 32, 4, 128, {})],
+    (1, 4096, 128, 32, 4, 128, {}),
+    # The preprocess beside the pass (_launch.preprocess_beside) over many units: the pass's
+    # first blocks wait for its flags.
+    (1, 2048, 2048, 16, 4, 128, dict(causal=True)), (2, 1500, 700, 8, 2, 256, dict(window_size=(300, 0)))],
     ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(sorted(c[6])))
 def test_the_backward_kernels_wait_for_the_ones_before_them(case, dtype, request, monkeypatch):
     """The preprocess, the dK/dV pass and the convert run as programmatic dependent launches
@@ -653,7 +656,9 @@ def test_the_backward_kernels_wait_for_the_ones_before_them(case, dtype, request
     uninitialized for them are poisoned first, the fp32 dQ buffer with NaN and the counts of
     finished pass blocks with 2^30, so that a kernel that reads one before the kernel that
     writes it is done gives NaN or a wrong dq rather than last call's values. Calls with the
-    convert beside the pass (head dims above 64 without a causal band) and after it."""
+    convert beside the pass (head dims above 64 without a causal band) and after it, and with
+    the preprocess beside the pass, whose flags (zeroed, with the counts) the pass and the
+    convert wait for: there the poisoned dQ buffer checks those waits."""
     real_empty, real_dq_buffer = _launch.empty, _launch.dq_buffer
     kinds = []
 
@@ -671,18 +676,20 @@ def test_the_backward_kernels_wait_for_the_ones_before_them(case, dtype, request
     b, sq, _, h, _, d, kw = case
     spec = _spec.CallSpec.of(np.zeros((b, sq, h, d), np.float16), causal=kw.get("causal", False),
                              window_size=kw.get("window_size", (-1, -1)))
-    overlaps = _launch.convert_overlaps(spec, None)
-    assert kinds.count("f") == 3 and kinds.count("i") == (3 if overlaps else 0)
+    beside = _launch.preprocess_beside(spec, _launch.sm90_bwd_step(spec, None, False, sq))
+    counted = _launch.convert_overlaps(spec, None) and not beside
+    assert kinds.count("f") == 3 and kinds.count("i") == (3 if counted else 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", [{}, dict(causal=True), dict(block_mask=True), dict(deterministic=True)],
                          ids=["dense", "causal", "block_mask", "deterministic"])
 def test_the_hopper_backward_runs_as_a_chain_of_dependent_launches(kw, monkeypatch):
-    """README (Hopper kernels): the preprocess, the dK/dV pass and the convert are queued one
-    right after another, the pass and the convert each as the programmatic dependent of the
-    kernel before it; the buffers the pass needs (the deterministic counters, the block
-    mask's lists) are made before the preprocess, so nothing is queued between the two."""
+    """README (Hopper kernels): the preprocess (or the one beside the pass), the dK/dV pass and
+    the convert are queued one right after another, the pass and the convert each as the
+    programmatic dependent of the kernel before it; the buffers the pass needs (the
+    preprocess's flags, the deterministic counters, the block mask's lists) are made before the
+    preprocess, so nothing is queued between the two."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("needs an sm_90 GPU")
@@ -699,10 +706,9 @@ def test_the_hopper_backward_runs_as_a_chain_of_dependent_launches(kw, monkeypat
         steps.append((name.split("<")[0], dependent)), real_launch(filename, name, *a, dependent=dependent, **k))[1])
     monkeypatch.setattr(_launch, "_allocate", lambda *a: (steps.append(("allocate", None)), real_allocate(*a))[1])
     cf.flash_attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
-    kernels = [name for name, _ in steps]
-    at = kernels.index("bwd_preprocess_kernel")
-    assert steps[at:] == [("bwd_preprocess_kernel", False), ("flash_bwd_sm90_kernel", True),
-                          ("bwd_convert_dq_kernel", True)]
+    at = next(i for i, (name, _) in enumerate(steps) if name.startswith("bwd_preprocess"))
+    assert steps[at][1] is False
+    assert steps[at + 1:] == [("flash_bwd_sm90_kernel", True), ("bwd_convert_dq_kernel", True)]
 
 
 # deterministic=True on the Hopper backward: dense and causal calls, every head-dim kernel,
