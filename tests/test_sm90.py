@@ -648,7 +648,7 @@ def test_the_dq_convert_overlaps_the_pass_unless_causal_from_head_dim_128(d, kw,
     (1, 4096, 128, 32, 4, 128, {}),
     # The preprocess beside the pass (_launch.preprocess_beside) over many units: the pass's
     # first blocks wait for its flags.
-    (1, 2048, 2048, 16, 4, 128, dict(causal=True)), (2, 1500, 700, 8, 2, 256, dict(window_size=(300, 0)))],
+    (1, 2048, 2048, 16, 4, 128, dict(causal=True)), (2, 1500, 700, 8, 2, 96, dict(window_size=(300, 0)))],
     ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(sorted(c[6])))
 def test_the_backward_kernels_wait_for_the_ones_before_them(case, dtype, request, monkeypatch):
     """The preprocess, the dK/dV pass and the convert run as programmatic dependent launches
