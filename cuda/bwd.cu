@@ -115,9 +115,7 @@ __global__ void __launch_bounds__(DQ_CONVERT_THREADS) bwd_convert_dq_kernel(cons
     if (Layout == DQ_LANES && ready != nullptr) {
         if (threadIdx.x == 0) {
             const int blocks_q = (p.seqlen_q + PREPROCESS_ROWS - 1) / PREPROCESS_ROWS;
-            while (ld_acquire(ready + (static_cast<index_t>(blockIdx.z) * p.nheads + h) * blocks_q +
-                              row0 / PREPROCESS_ROWS) < BESIDE_ARRIVALS) {
-            }
+            wait_unit(ready + (static_cast<index_t>(blockIdx.z) * p.nheads + h) * blocks_q + row0 / PREPROCESS_ROWS);
         }
         __syncthreads();
     }

@@ -71,3 +71,10 @@ __device__ __forceinline__ void zero_dq_rows(const BwdParams& p, const Seq& seq,
 // bwd_sm90.cu's bwd_preprocess_beside_kernel: the warps that sum rows, the groups that write
 // units, and the warps in each, every one of which adds 1 to a unit's flag once it is written.
 constexpr int BESIDE_LOADERS = 8, BESIDE_WRITERS = 4, BESIDE_ARRIVALS = 4;
+
+// Until a unit's flag is set (that kernel's flags: batch, query head, PREPROCESS_ROWS-row
+// block): every warp that writes the unit has released its writes.
+__device__ __forceinline__ void wait_unit(const int* flag) {
+    while (ld_acquire(flag) < BESIDE_ARRIVALS) {
+    }
+}

@@ -66,9 +66,7 @@ __device__ __forceinline__ void wait_ready(const BwdSm90Params& tp, int b, int h
         const BwdParams& p = tp.base;
         const int blocks_q = (p.seqlen_q + PREPROCESS_ROWS - 1) / PREPROCESS_ROWS, last = min(row0 + rows, seqlen_q) - 1;
         const int* unit = tp.ready + (static_cast<index_t>(b) * p.nheads + h) * blocks_q;
-        for (int x = row0 / PREPROCESS_ROWS; x <= last / PREPROCESS_ROWS; ++x)
-            while (ld_acquire(unit + x) < BESIDE_ARRIVALS) {
-            }
+        for (int x = row0 / PREPROCESS_ROWS; x <= last / PREPROCESS_ROWS; ++x) wait_unit(unit + x);
     }
     __syncwarp();
 }
@@ -108,6 +106,9 @@ struct BesideParams {
     int stages, group_pairs;
 };
 constexpr int BESIDE_RING = 4;
+// Each ring row then serves one writer group's units, in order: a row's mbarriers never have a
+// second group waiting on a phase that has not begun.
+static_assert(BESIDE_RING % BESIDE_WRITERS == 0, "a ring row per writer group");
 constexpr int BESIDE_THREADS = 32 * (BESIDE_LOADERS + BESIDE_WRITERS * BESIDE_ARRIVALS), BESIDE_MAX_STAGES = 8;
 
 template <typename Elem>

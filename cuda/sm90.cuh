@@ -105,15 +105,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TmaDesc& map, int c
         : "memory");
 }
 
-// `bytes` (a multiple of 16) of global memory at src to shared memory at dst (both 16-byte
-// aligned) as one bulk copy, completing on `bar`.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(reinterpret_cast<unsigned long long>(src)), "r"(bytes),
-                 "r"(smem_addr(bar))
-                 : "memory");
-}
-
 // A box of shared memory (in the tensor map's swizzled layout) to the tensor at element
 // coordinates; elements outside the tensor are not written. Completes in bulk groups.
 __device__ __forceinline__ void tma_store_4d(const TmaDesc& map, int c0, int c1, int c2, int c3, const void* src) {

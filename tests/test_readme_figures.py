@@ -3,9 +3,12 @@ packed-batch table and its host-time figures are the benchmark JSONs they name: 
 (for the Hopper table also the fp16 remark, the cells short of target, FlexAttention's and
 FlashAttention-4's ratios and FlashAttention-4's release) read from that file. No GPU: the JSONs are
 committed runs."""
+import dataclasses
 import json
 import re
 from pathlib import Path
+
+import numpy as np
 
 from cupyflash import _launch
 
@@ -661,3 +664,23 @@ def test_readme_beside_preprocess_gains_are_the_cited_run():
     causal = [gains["128:2048:1:bwd"], gains["128:4096:1:bwd"]]
     assert (m.group(1), m.group(2)) == (f"{min(causal):.1f}", f"{max(causal):.1f}")
     assert m.group(3) == f"{gains['128:32768:1:bwd:window']:.1f}"
+
+
+def test_readme_beside_preprocess_rule_is_the_launchers():
+    """The README's rule for the preprocess beside the Hopper pass: head dims 65-128, 64-query
+    steps, dense rows, one SM in eight (_launch.preprocess_beside, PREPROCESS_BESIDE_SMS)."""
+    from cupyflash import _spec
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"Where the pass takes (\d+)-query steps at head dims (\d+)-(\d+) over dense rows, the "
+                  r"preprocess instead runs beside the whole pass on one SM in (\w+)", text)
+    step, lo, hi = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    assert m.group(4) == {8: "eight"}.get(_launch.PREPROCESS_BESIDE_SMS)
+
+    def beside(d, step_, varlen=False):
+        spec = _spec.CallSpec.of(np.zeros((1, 64, 2, d), np.float16), causal=True)
+        if varlen:
+            spec = dataclasses.replace(spec, seq=_spec.SEQ_PACKED)
+        return _launch.preprocess_beside(spec, step_)
+
+    assert all(beside(d, step) == (lo <= d <= hi) for d in range(1, 257))
+    assert not beside(hi, 80) and not beside(hi, step, varlen=True)
