@@ -58,6 +58,10 @@ FlashAttention 2; the mods' arrays are read when the kernels run, they are not i
 graph). Dropout takes an explicit ``seed`` (PyTorch's generator is not drawn from): the
 backward regenerates the forward's mask from the saved seed and offset.
 
+Packed batches: ``flash_attention_varlen`` is ``cupyflash.flash_attention_varlen`` with
+autograd, eager only (it may read the offsets to the host): ``torch.compile`` runs it outside
+its graph.
+
 Hugging Face transformers: ``hf_attention`` is an attention function of its
 ``AttentionInterface`` (transformers' (batch, heads, seq, headdim) layout, GQA without
 ``repeat_kv``, causal from the module, no attention mask: padding is refused), and
@@ -78,7 +82,7 @@ if not hasattr(torch.library, "custom_op"):   # pragma: no cover - depends on th
 
 from . import _validate, api, masks, mods
 
-__all__ = ["flash_attention", "ring_attention", "hf_attention", "register_hf_attention"]
+__all__ = ["flash_attention", "flash_attention_varlen", "ring_attention", "hf_attention", "register_hf_attention"]
 
 # --- Python objects passed to the operators by handle (see the module docstring) -------------
 
@@ -281,6 +285,60 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
                               dropout_p, seed, offset, block_mask, score_mod, mask_mod)
     out, _ = torch.ops.cupyflash.flash_attention(q, k, v, *options)
     return out
+
+
+# --- packed variable-length batches ---------------------------------------------------------
+
+class _VarlenAttention(torch.autograd.Function):
+    """cupyflash.flash_attention_varlen and its backward: q, k, v, out, lse, the offsets and
+    the ALiBi slopes saved; the other options kept as given."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options, deterministic):
+        from . import varlen
+        out, lse = varlen.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes,
+                                                 return_lse=True, **options)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        ctx.options, ctx.deterministic = options, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        from . import varlen
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+        if dout.shape[-1] > 1 and dout.stride(-1) != 1:   # as _backward_op
+            dout = dout.contiguous()
+        grads = varlen.flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                       alibi_slopes=alibi_slopes, deterministic=ctx.deterministic,
+                                                       **ctx.options)
+        # A score_mod's table gradients (a 4th result) are constants here, as in flash_attention.
+        return (*grads[:3], None, None, None, None, None)
+
+
+@torch.compiler.disable
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                           causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, score_mod=None,
+                           deterministic=False, return_lse=False, check_offsets=True):
+    """``cupyflash.flash_attention_varlen`` for PyTorch tensors, with autograd.
+
+    q ``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_k, headdim)`` and the int32
+    offsets ``cu_seqlens_q`` / ``cu_seqlens_k`` ``(batch + 1,)`` on one device (CUDA, or all on
+    the CPU for the NumPy path); every keyword as there, ``deterministic`` that of the
+    backward, ``seed`` required with ``dropout_p > 0`` (the backward reuses it). Eager only:
+    under ``torch.compile`` the call runs outside the graph (a graph break), since it may
+    read the offsets to the host. Returns out like q (``out.backward(...)`` gives q.grad,
+    k.grad and v.grad), or ``(out, lse)`` with lse ``(nheads, total_q)``, not differentiable.
+    """
+    options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   dropout_p=dropout_p, seed=seed, offset=offset, score_mod=score_mod,
+                   check_offsets=check_offsets)
+    deterministic = _validate.check_flag("deterministic", deterministic)
+    return_lse = _validate.check_flag("return_lse", return_lse)
+    out, lse = _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options, deterministic)
+    return (out, lse) if return_lse else out
 
 
 # --- ring attention (context parallelism) ---------------------------------------------------

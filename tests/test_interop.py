@@ -584,6 +584,67 @@ def test_torch_cpu_tensors_run_the_numpy_path_with_autograd():
         torch.testing.assert_close(x.grad, leaf.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def _packed_leaves(torch, lengths, h, hk, d, dtype, seed, device):
+    """Packed q, k, v (leaves), dout and the int32 offsets of a batch of sequences."""
+    total = int(sum(lengths))
+    q, k, v, dout = _torch_leaves(torch, (total, h, d), (total, hk, d), dtype, seed, device=device)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+    return q, k, v, dout, cu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HALF)
+def test_torch_varlen_autograd_is_the_packed_calls(dtype, request):
+    """cupyflash.torch.flash_attention_varlen's out, lse and gradients are those of
+    cupyflash.flash_attention_varlen and its backward on the same tensors (the same kernels:
+    equal bits), with GQA, causal, a window and a sequence of one token; lse is not
+    differentiable; torch.compile runs it outside its graph, with the same result."""
+    torch = _torch_cuda()
+    import cupyflash.torch as cft
+    q, k, v, dout, cu = _packed_leaves(torch, (37, 130, 1, 64), 4, 2, 64, dtype, seed_of(request), "cuda")
+    options = dict(causal=True, window_size=(50, 0), softmax_scale=0.3)
+    out, lse = cft.flash_attention_varlen(q, k, v, cu, cu, return_lse=True, **options)
+    assert not lse.requires_grad
+    out.backward(dout)
+    leaves = [x.detach() for x in (q, k, v)]
+    ref_out, ref_lse = cf.flash_attention_varlen(*leaves, cu, cu, return_lse=True, **options)
+    ref_grads = cf.flash_attention_varlen_backward(dout, *leaves, ref_out, ref_lse, cu, cu, **options)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    for name, x, ref in zip(("dq", "dk", "dv"), (q, k, v), ref_grads):
+        assert torch.equal(x.grad, ref), name
+    compiled = torch.compile(lambda q, k, v: cft.flash_attention_varlen(q, k, v, cu, cu, **options))
+    assert torch.equal(compiled(*leaves), ref_out)
+
+
+def test_torch_varlen_cpu_tensors_match_per_sequence_calls():
+    """Runs wherever PyTorch is importable: the NumPy path with autograd, each sequence's
+    out and gradients those of a dense call on it (GQA, causal, ALiBi, lengths 1 to 40)."""
+    torch = _torch()
+    import cupyflash.torch as cft
+    lengths = (1, 40, 17)
+    q, k, v, dout, cu = _packed_leaves(torch, lengths, 4, 2, 16, "float64", 43, "cpu")
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float32)
+    out = cft.flash_attention_varlen(q, k, v, cu, cu, causal=True, alibi_slopes=slopes)
+    out.backward(dout)
+    for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        part = [x.detach()[start:end][None].clone().requires_grad_() for x in (q, k, v)]
+        ref = cft.flash_attention(*part, causal=True, alibi_slopes=slopes)
+        ref.backward(dout[start:end][None])
+        torch.testing.assert_close(out[start:end], ref[0], rtol=1e-10, atol=1e-12)
+        for name, x, leaf in zip(("dq", "dk", "dv"), (q, k, v), part):
+            torch.testing.assert_close(x.grad[start:end], leaf.grad[0], rtol=1e-10, atol=1e-12,
+                                       msg=f"{name} of sequence {b}")
+
+
+def test_torch_varlen_refuses_bad_flags_before_any_work():
+    torch = _torch()
+    import cupyflash.torch as cft
+    q, k, v, _, cu = _packed_leaves(torch, (3, 5), 2, 2, 8, "float64", 44, "cpu")
+    for flag in ("deterministic", "return_lse"):
+        with pytest.raises(TypeError, match=f"^{flag} must be"):
+            cft.flash_attention_varlen(q, k, v, cu, cu, **{flag: 1})
+
+
 # =============================================================================================
 # JAX
 
