@@ -80,7 +80,7 @@ if not hasattr(torch.library, "custom_op"):   # pragma: no cover - depends on th
     raise ImportError(f"cupyflash.torch needs PyTorch >= 2.4 (torch.library.custom_op), "
                       f"found {torch.__version__}")
 
-from . import _validate, api, masks, mods
+from . import _validate, api, masks, mods, varlen
 
 __all__ = ["flash_attention", "flash_attention_varlen", "ring_attention", "hf_attention", "register_hf_attention"]
 
@@ -295,7 +295,6 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options, deterministic):
-        from . import varlen
         out, lse = varlen.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes,
                                                  return_lse=True, **options)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
@@ -305,7 +304,6 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        from . import varlen
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
         if dout.shape[-1] > 1 and dout.stride(-1) != 1:   # as _backward_op
             dout = dout.contiguous()
