@@ -214,27 +214,34 @@ def _attribute_of(device_id, name):
     return cupy.cuda.Device(device_id).attributes[name]
 
 
+# The largest dynamic shared memory each kernel has opted in to, per (source, name, device,
+# arch): the limit belongs to the loaded function, which launches of other sizes share.
+_OPTED_IN = {}
+_OPT_IN_LOCK = threading.Lock()
+
+
 @_compile._once_per_key
 def _kernel(source, name, device_id, smem, arch=None):
-    """The kernel with its dynamic shared-memory limit raised once (above 48 KB a kernel
-    must opt in), not on every launch. Keyed by the source text itself, as _compile's modules
-    are: another text under the same file name is another kernel. ``arch``: compiled for that
+    """The kernel with its dynamic shared-memory limit raised once per size (above 48 KB a
+    kernel must opt in), not on every launch, and never lowered: a launch of a smaller size
+    after a larger one would otherwise leave the larger one's later launches refused
+    (CUDA_ERROR_INVALID_VALUE). Keyed by the source text itself, as _compile's modules are:
+    another text under the same file name is another kernel. ``arch``: compiled for that
     target (an arch-specific one, _compile.ARCH_SPECIFIC), not the device's own. Once per key
     under concurrency: threads that first launched a kernel together held two objects of it,
     and a launch plan recorded with one differed from a fresh preparation holding the other
     (tests/test_distributed.py's ring of threads)."""
     import cupy
     _arrays.refuse_in_capture(cupy, f"the first call of {name} compiles and loads it")
-    if arch:
-        kernel = _compile.get_arch_kernel(device_id, source, name, arch)
-        if smem > 48 * 1024:
-            from cupy_backends.cuda.api import driver
-            driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    smem)
-        return kernel
-    kernel = get_kernel(source, name)
+    kernel = (_compile.get_arch_kernel(device_id, source, name, arch) if arch else get_kernel(source, name))
     if smem > 48 * 1024:
-        kernel.max_dynamic_shared_size_bytes = smem
+        from cupy_backends.cuda.api import driver
+        with _OPT_IN_LOCK:
+            key = (source, name, device_id, arch)
+            _OPTED_IN[key] = max(smem, _OPTED_IN.get(key, 0))
+            # A RawKernel's function is its .kernel (as _run launches it); get_arch_kernel's is itself.
+            driver.funcSetAttribute(getattr(kernel, "kernel", kernel).ptr,
+                                    driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, _OPTED_IN[key])
     return kernel
 
 

@@ -322,3 +322,33 @@ def test_forward_and_deterministic_backward_are_bit_identical_across_processes()
 
 if __name__ == "__main__":
     _child(sys.argv[1:])
+
+
+SMEM_PROBE = """
+__global__ void smem_probe(float* out) {
+    extern __shared__ float s[];
+    s[threadIdx.x] = threadIdx.x;
+    __syncthreads();
+    out[threadIdx.x] = s[31 - threadIdx.x];
+}
+"""
+
+
+@pytest.mark.parametrize("arch", [None, "sm_90a"])
+def test_a_smaller_shared_memory_size_leaves_a_kernels_larger_opt_in(arch):
+    """A kernel prepared for a launch of 100 KB of dynamic shared memory, then for one of 64
+    KB, still launches with 100 KB: the opt-in is raised per size and never lowered (the
+    64 KB one lowered it on the loaded function the first launch also holds)."""
+    from cupyflash import _launch
+    device = cp.cuda.Device()
+    if device.attributes["MaxSharedMemoryPerBlockOptin"] < 100 * 1024:
+        pytest.skip("needs 100 KB of shared memory per block")
+    if arch and device.compute_capability != "90":
+        pytest.skip("sm_90a needs an sm_90 GPU")
+    big, small = 100 * 1024, 64 * 1024
+    out = cp.full(32, cp.nan, cp.float32)
+    first = _launch._kernel(SMEM_PROBE, "smem_probe", device.id, big, arch)
+    _launch._kernel(SMEM_PROBE, "smem_probe", device.id, small, arch)((1,), (32,), (out,), shared_mem=small)
+    out.fill(cp.nan)
+    first((1,), (32,), (out,), shared_mem=big)
+    assert (out == cp.arange(31, -1, -1, dtype=cp.float32)).all()
