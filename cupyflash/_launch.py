@@ -77,9 +77,8 @@ PREPROCESS_ROWS, PREPROCESS_THREADS = 64, 256
 # cuda/bwd_sm90.cu's bwd_preprocess_beside_kernel: threads per block (one block an SM) and the
 # most slots of rows it keeps in flight.
 BESIDE_THREADS, BESIDE_MAX_STAGES = 768, 8
-# Its slots' shared memory at every head dim (three at 256), and 1 KB to align them: one kernel
-# serves them all, and its opt-in limit is set once per size (_kernel), so a second size would
-# be refused after a first.
+# Its slots' shared memory at every head dim (three at 256), and 1 KB to align them: one size
+# for the one kernel that serves them all.
 BESIDE_SLOTS = 192 * 1024
 
 # C++ spelling of the element type of each dtype in the kernels' template names.

@@ -199,16 +199,19 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int],
                  offset: int, block_mask: int, score_mod: int, mask_mod: int,
                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Autograd may hand a broadcast gradient (e.g. of out.sum(), all strides 0); the
-    # kernels read any strides but need the last dimension contiguous.
-    if dout.shape[-1] > 1 and dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    dout = _last_dim_contiguous(dout)
     options = _api_options(causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                            seed, offset, block_mask, score_mod, mask_mod)
     grads = api.flash_attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                          **options)
     # A score_mod's table gradients (a 4th result) are not inputs of the forward operator.
     return grads[:3]
+
+
+def _last_dim_contiguous(dout):
+    """Autograd may hand a broadcast gradient (e.g. of out.sum(), all strides 0); the kernels
+    read any strides but need the last dimension contiguous."""
+    return dout.contiguous() if dout.shape[-1] > 1 and dout.stride(-1) != 1 else dout
 
 
 @_backward_op.register_fake
@@ -305,11 +308,9 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-        if dout.shape[-1] > 1 and dout.stride(-1) != 1:   # as _backward_op
-            dout = dout.contiguous()
-        grads = varlen.flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                       alibi_slopes=alibi_slopes, deterministic=ctx.deterministic,
-                                                       **ctx.options)
+        grads = varlen.flash_attention_varlen_backward(_last_dim_contiguous(dout), q, k, v, out, lse, cu_seqlens_q,
+                                                       cu_seqlens_k, alibi_slopes=alibi_slopes,
+                                                       deterministic=ctx.deterministic, **ctx.options)
         # A score_mod's table gradients (a 4th result) are constants here, as in flash_attention.
         return (*grads[:3], None, None, None, None, None)
 

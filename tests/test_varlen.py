@@ -159,6 +159,19 @@ def test_offsets_must_be_int32():
         cf.flash_attention_varlen(q, k, v, cq, ck.astype(np.int64))
 
 
+def test_traced_packed_calls_are_refused(monkeypatch):
+    """README (Status): under torch.compile tracing flash_attention_varlen and its backward
+    raise (cupyflash.torch.flash_attention_varlen runs them outside the graph instead)."""
+    from cupyflash import api
+    q, k, v, cq, ck = _args()
+    out, lse = cf.flash_attention_varlen(q, k, v, cq, ck, return_lse=True)
+    monkeypatch.setattr(api, "_traced_by_torch", lambda a: True)
+    with pytest.raises(NotImplementedError, match="flash_attention_varlen has no torch.compile operator"):
+        cf.flash_attention_varlen(q, k, v, cq, ck)
+    with pytest.raises(NotImplementedError, match="flash_attention_varlen has no torch.compile operator"):
+        cf.flash_attention_varlen_backward(q, q, k, v, out, lse, cq, ck)
+
+
 def test_backward_checks_the_packed_lse():
     q, k, v, cq, ck = _args()
     out, lse = cf.flash_attention_varlen(q, k, v, cq, ck, return_lse=True)
