@@ -937,7 +937,7 @@ def convert_overlaps(spec, block_mask):
     return not spec.causal and sm90_bwd_headdim(spec.headdim) >= 128
 
 
-def preprocess_beside(spec, step):
+def preprocess_beside(spec, step, block_mask=None):
     """Whether the Hopper backward's preprocess runs beside its dK/dV pass of ``step``-query
     steps rather than before it (cuda/bwd_sm90.cu's bwd_preprocess_beside_kernel): on one SM in
     PREPROCESS_BESIDE_SMS, its units of rows flagged as they are done, the pass waiting per
@@ -946,8 +946,13 @@ def preprocess_beside(spec, step):
     before the pass (the wait in their producer cost registers: cuda/bwd_sm90.cu's
     reads_beside), and so does head dim 256, where it gained nothing (causal 8K -0.3%, 16K
     -1%; causal 2K and 4K at d=128 +1.8-2.2%, the window (1024, 0) at 32K +4.1%: H200, bf16,
-    16K tokens, benchmarks/NOTES.md, forty-sixth session)."""
-    return not spec.varlen and step == PREPROCESS_ROWS and sm90_bwd_headdim(spec.headdim) == 128
+    16K tokens, benchmarks/NOTES.md, forty-sixth session). So do ALiBi and block masks
+    (mask_mods' too): the flag's acquire each step invalidates the SM's L1, which their
+    consumers read the slopes and the block lists through every step; beside, ALiBi's causal
+    backward ran 6-10% slower, a causal block mask's 8% and mask_mods' 2-4% (forty-eighth
+    session)."""
+    return (not spec.varlen and not spec.alibi and block_mask is None and step == PREPROCESS_ROWS
+            and sm90_bwd_headdim(spec.headdim) == 128)
 
 
 # One SM in this many takes a block of the preprocess beside the pass.
@@ -1195,7 +1200,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, stats, dq_accum, scale, spec,
     hopper_pass = dq_accum is not None and hopper
     overlap = hopper_pass and convert_overlaps(spec, block_mask)
     step = sm90_bwd_step(spec, block_mask, deterministic, sq) if hopper else 0
-    beside = hopper_pass and preprocess_beside(spec, step)
+    beside = hopper_pass and preprocess_beside(spec, step, block_mask)
     done = np.uint64(0)   # the counts of finished pass blocks (zeroed by the preprocess)
     ready = np.uint64(0)  # the preprocess beside the pass: its units' flags, then the counts
     if beside:

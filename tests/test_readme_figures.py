@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cupyflash import _launch
+from cupyflash import _launch, masks
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQLENS = (2048, 8192, 16384)
@@ -689,21 +689,48 @@ def test_readme_beside_preprocess_gains_are_the_cited_run():
     assert m.group(3) == f"{gains['128:32768:1:bwd:window']:.1f}"
 
 
+def test_readme_beside_preprocess_exclusions_are_the_cited_runs():
+    """Why ALiBi and block masks keep the preprocess before the pass: the gains of the A/B
+    (tree "rule", the beside preprocess off for them, over base) and the causal block mask's
+    backward time in the two bench_sparse runs the README names."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"without the preprocess beside, ALiBi's causal backward runs ([\d.]+)-([\d.]+)% faster, a "
+                  r"mask_mod spelling causal ([\d.]+)% faster \(`(benchmarks/results/[^`]+\.json)`\) and a causal "
+                  r"block mask's backward at 8K takes ([\d.]+)% less time \(`(benchmarks/results/[^`]+\.json)` / "
+                  r"`(benchmarks/results/[^`]+\.json)`\)", text)
+    gains = {cell: g for (cell,), g in _tree_gains(m.group(4), "rule").items()}
+    alibi = [gains["128:2048:1:bwd:alibi"], gains["128:8192:1:bwd:alibi"]]
+    assert (m.group(1), m.group(2)) == (f"{min(alibi):.1f}", f"{max(alibi):.1f}")
+    assert m.group(3) == f"{gains['128:8192:0:bwd:user_causal']:.1f}"
+
+    def causal_mask_bwd_ms(path):
+        (ms,) = [r["ms"] for r in json.loads((ROOT / path).read_text())["rows"]
+                 if r["impl"] == "cupyflash" and r["pass"] == "bwd" and r["pattern"] == "causal"]
+        return ms
+
+    before, after = causal_mask_bwd_ms(m.group(6)), causal_mask_bwd_ms(m.group(7))
+    assert m.group(5) == f"{100 * (1 - after / before):.1f}"
+
+
 def test_readme_beside_preprocess_rule_is_the_launchers():
     """The README's rule for the preprocess beside the Hopper pass: head dims 65-128, 64-query
     steps, dense rows, one SM in eight (_launch.preprocess_beside, PREPROCESS_BESIDE_SMS)."""
     from cupyflash import _spec
     text = " ".join((ROOT / "README.md").read_text().split())
-    m = re.search(r"Where the pass takes (\d+)-query steps at head dims (\d+)-(\d+) over dense rows, the "
-                  r"preprocess instead runs beside the whole pass on one SM in (\w+)", text)
+    m = re.search(r"Where the pass takes (\d+)-query steps at head dims (\d+)-(\d+) over dense rows, without "
+                  r"ALiBi or a block mask \(a mask_mod's included\), the preprocess instead runs beside the "
+                  r"whole pass on one SM in (\w+)", text)
     step, lo, hi = int(m.group(1)), int(m.group(2)), int(m.group(3))
     assert m.group(4) == {8: "eight"}.get(_launch.PREPROCESS_BESIDE_SMS)
 
-    def beside(d, step_, varlen=False):
-        spec = _spec.CallSpec.of(np.zeros((1, 64, 2, d), np.float16), causal=True)
+    def beside(d, step_, varlen=False, alibi=False, block_mask=None):
+        spec = _spec.CallSpec.of(np.zeros((1, 64, 2, d), np.float16), causal=True,
+                                 alibi_slopes=np.ones(2, np.float32) if alibi else None)
         if varlen:
             spec = dataclasses.replace(spec, seq=_spec.SEQ_PACKED)
-        return _launch.preprocess_beside(spec, step_)
+        return _launch.preprocess_beside(spec, step_, block_mask)
 
     assert all(beside(d, step) == (lo <= d <= hi) for d in range(1, 257))
     assert not beside(hi, 80) and not beside(hi, step, varlen=True)
+    assert not beside(hi, step, alibi=True)
+    assert not beside(hi, step, block_mask=masks.causal(64, 64, block_size=64))
