@@ -545,7 +545,7 @@ def test_readme_user_mod_speed_is_the_cited_run():
     text = (ROOT / "README.md").read_text()
     start = text.index("- **Speed** (H200, bf16, d=128, 8K; `benchmarks/bench_variants.py")
     bullet = " ".join(text[start:text.index("- **Adapters**", start)].split())
-    path, mask_path, costs_path, pivot_path, grads_path, before_path, doc_path = re.findall(
+    path, mask_path, alibi_path, costs_path, pivot_path, grads_path, before_path, doc_path = re.findall(
         r"`(benchmarks/results/[^`]+\.json)`", bullet)
 
     def rows(path):
@@ -554,7 +554,7 @@ def test_readme_user_mod_speed_is_the_cited_run():
     def times(path):
         return {(r["impl"], r["rule"], r["causal"], r["pass"]): r["ms"] for r in rows(path) if r.get("ms")}
 
-    ms, mask_ms = times(path), times(mask_path)
+    ms, mask_ms, alibi_ms = times(path), times(mask_path), times(alibi_path)
 
     def ours(rule, causal, pass_, ms=ms):
         return ms[("cupyflash", rule, causal, pass_)]
@@ -562,7 +562,8 @@ def test_readme_user_mod_speed_is_the_cited_run():
     mask = [ours("user_causal", False, p, mask_ms) / ours("plain", True, p, mask_ms) for p in ("fwd", "bwd")]
     assert (f"A mask_mod spelling causal takes {mask[0]:.2f}x the forward time of `causal=True` "
             f"and {mask[1]:.2f}x its backward") in bullet
-    alibi = {p: [ours("user_alibi", c, p) / ours("alibi", c, p) for c in (False, True)] for p in ("fwd", "bwd")}
+    alibi = {p: [ours("user_alibi", c, p, alibi_ms) / ours("alibi", c, p, alibi_ms) for c in (False, True)]
+             for p in ("fwd", "bwd")}
     assert (f"a score_mod spelling ALiBi takes {_spread(alibi['fwd'], '.2f')}x the built-in's forward time and "
             f"{_spread(alibi['bwd'], '.2f')}x its backward") in bullet
     # A snippet that does nearly nothing, over plain attention at d=128 (the best of the
