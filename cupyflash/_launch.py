@@ -949,8 +949,8 @@ def preprocess_beside(spec, step, block_mask=None):
     16K tokens, benchmarks/NOTES.md, forty-sixth session). So do ALiBi and block masks
     (mask_mods' too): the flag's acquire each step invalidates the SM's L1, which their
     consumers read the slopes and the block lists through every step; beside, ALiBi's causal
-    backward ran 6-10% slower, a causal block mask's 8% and mask_mods' 2-4% (forty-eighth
-    session)."""
+    backward took 6-11% longer, a causal block mask's 9% and mask_mods' 2-4% (H200, bf16,
+    d=128, forty-eighth session)."""
     return (not spec.varlen and not spec.alibi and block_mask is None and step == PREPROCESS_ROWS
             and sm90_bwd_headdim(spec.headdim) == 128)
 
