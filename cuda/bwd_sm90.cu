@@ -72,7 +72,8 @@ __device__ __forceinline__ void wait_ready(const BwdSm90Params& tp, int b, int h
 }
 
 // Whether a pass kernel reads the preprocess beside it (tp.ready, which _launch.preprocess_beside
-// sets for head dim 128, 64-query steps and dense rows): its statistics warp waits per step for
+// sets for head dim 128, 64-query steps and dense rows, but not with ALiBi or a block mask: their
+// kernels carry the wait and run with tp.ready null): its statistics warp waits per step for
 // the flags, and no thread waits for the preprocess's end. Elsewhere that wait, in a warp of 24
 // registers a thread, made ptxas serialize the consumers' wgmma (80 queries) or spill (d = 64,
 // NVRTC 13.0); the other kernels compile as without it.
