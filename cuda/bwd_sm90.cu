@@ -72,14 +72,17 @@ __device__ __forceinline__ void wait_ready(const BwdSm90Params& tp, int b, int h
 }
 
 // Whether a pass kernel reads the preprocess beside it (tp.ready, which _launch.preprocess_beside
-// sets for head dim 128, 64-query steps and dense rows, but not with ALiBi or a block mask: their
-// kernels carry the wait and run with tp.ready null): its statistics warp waits per step for
-// the flags, and no thread waits for the preprocess's end. Elsewhere that wait, in a warp of 24
-// registers a thread, made ptxas serialize the consumers' wgmma (80 queries) or spill (d = 64,
-// NVRTC 13.0); the other kernels compile as without it.
+// sets for head dim 128, 64-query steps and dense rows without ALiBi or a block mask): its
+// statistics warp waits per step for the flags, and no thread waits for the preprocess's end.
+// Elsewhere that wait, in a warp of 24 registers a thread, made ptxas serialize the consumers'
+// wgmma (80 queries) or spill (d = 64, NVRTC 13.0); mask_mods' kernels (whose calls always have
+// a block mask) never run beside it and compile without it (+0.3-0.9%); the others compile as
+// without it. Kernels that carry the wait but run with tp.ready null: a plain kernel with a
+// block mask, and ALiBi's (without the wait its causal 8K backward ran 2.4% slower: the
+// schedule's; benchmarks/NOTES.md, forty-ninth session).
 template <int HeadDim, int Br, typename V>
 __device__ constexpr bool reads_beside() {
-    return V::Seq == SEQ_DENSE && HeadDim == 128 && Br == 64;
+    return V::Seq == SEQ_DENSE && HeadDim == 128 && Br == 64 && !V::UserMask;
 }
 
 // The preprocess beside the pass (_launch.preprocess_beside): bwd_preprocess_kernel's work

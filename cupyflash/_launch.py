@@ -948,11 +948,12 @@ def preprocess_beside(spec, step, block_mask=None):
     -1%; causal 2K and 4K at d=128 +1.8-2.2%, the window (1024, 0) at 32K +4.1%: H200, bf16,
     16K tokens, benchmarks/NOTES.md, forty-sixth session). So do ALiBi and block masks
     (mask_mods' too): the flag's acquire each step invalidates the SM's L1, which their
-    consumers read the slopes and the block lists through every step; beside, ALiBi's causal
+    consumers read the slopes and the block lists through every step (mask_mods' kernels are
+    compiled without the wait: reads_beside); beside, ALiBi's causal
     backward took 6-11% longer, a causal block mask's 9% and mask_mods' 2-4% (H200, bf16,
     d=128, forty-eighth session)."""
-    return (not spec.varlen and not spec.alibi and block_mask is None and step == PREPROCESS_ROWS
-            and sm90_bwd_headdim(spec.headdim) == 128)
+    return (not spec.varlen and not spec.alibi and not spec.mask_mod and block_mask is None
+            and step == PREPROCESS_ROWS and sm90_bwd_headdim(spec.headdim) == 128)
 
 
 # One SM in this many takes a block of the preprocess beside the pass.
