@@ -338,22 +338,29 @@ def test_readme_80_query_step_gains_are_the_cited_runs():
     text = (ROOT / "README.md").read_text()
     start = text.index("Against 64-query steps (the mean of each tree's reps")
     section = text[start:text.index("At 256 (buckets", start)]
-    final, variants, user, causal, window = re.findall(r"`(benchmarks/results/[^`]+\.json)`", section)
+    final, variants, user, causal, alibi_causal, window = re.findall(r"`(benchmarks/results/[^`]+\.json)`", section)
 
     def gains(path):
         return {cell: round(g, 1) for (cell,), g in _tree_gains(path, "new").items()}
 
     found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", section.split("with softcap")[0])}
     assert found == {s // 1024: gains(final)[f"128:{s}:0:bwd"] for s in (2048, 4096, 8192, 16384)}
-    rule = {name: float(g) for name, g in re.findall(r"with\s+(softcap|ALiBi)\s+([-+][\d.]+)%", section)}
+    rule = {name: float(g) for name, g in re.findall(r"with\s+(softcap|ALiBi)\s+([-+][\d.]+)%",
+                                                     section.split("a score_mod\n  spelling")[0])}
     assert rule == {"softcap": gains(variants)["128:8192:0:bwd:softcap"],
                     "ALiBi": gains(variants)["128:8192:0:bwd:alibi"]}
     spelled, causal_calls = section[section.index("a score_mod\n  spelling ALiBi"):].split("causal calls", 1)
     found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", spelled)}
     assert found == {s // 1024: gains(user)[f"128:{s}:0:bwd:user_alibi"] for s in (2048, 8192, 16384)}
     causal_calls, windows = causal_calls.split("windows (left")
+    causal_calls, alibi_calls = causal_calls.split("causal ALiBi")
     found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", causal_calls)}
     assert found == {s // 1024: gains(causal)[f"128:{s}:1:bwd"] for s in (4096, 8192, 16384)}
+    alibi_calls, capped = alibi_calls.split("with softcap")
+    found = {int(s): float(g) for g, s in re.findall(r"([-+][\d.]+)%\s+at\s+(\d+)K", alibi_calls)}
+    assert found == {s // 1024: gains(alibi_causal)[f"128:{s}:1:bwd:alibi"] for s in (8192, 16384)}
+    assert [float(g) for g in re.findall(r"([-+][\d.]+)%", capped)] == [
+        gains(alibi_causal)[f"128:{s}:1:bwd:softcap_alibi"] for s in (8192, 16384)]
     found = {int(k): float(g) for g, k in re.findall(r"([-+][\d.]+)%\s+for\s+(\d+)", windows)}
     assert found == {w: gains(window)[f"128:32768:0:bwd:window_{w}_0"] for w in (512, 1024, 4096)}
     assert _launch.SM90_BWD_CAUSAL_80_FROM == 8192 and "causal calls of 8K query rows or more" in text

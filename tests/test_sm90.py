@@ -473,13 +473,12 @@ def test_sm90_backward_matches_the_reference(case, dtype, request):
 def test_sm90_causal_backward_in_80_query_steps(case, dtype, request, monkeypatch):
     """The causal backward's 80-query steps (long calls only: SM90_BWD_CAUSAL_80_FROM) at
     short lengths, the threshold lowered: steps that start below the diagonal and end past
-    seqlen_q (odd tails both ways, GQA, rows without keys, softcap). Causal ALiBi keeps 64
-    (sm90_bwd_rows), checked here at the same shapes."""
+    seqlen_q (odd tails both ways, GQA, rows without keys, softcap, ALiBi)."""
     monkeypatch.setattr(_launch, "SM90_BWD_CAUSAL_80_FROM", 1)
     b, sq, sk, h, hk, d, kw = case
     spec = _spec.CallSpec.of(np.zeros((1, sq, h, d), np.float16), causal=True, softcap=kw.get("softcap", 0.0),
                              alibi_slopes=np.ones(h) if kw.get("alibi") else None)
-    assert _launch.sm90_bwd_rows(_launch.sm90_bwd_headdim(d), spec, seqlen_q=sq) == (64 if kw.get("alibi") else 80)
+    assert _launch.sm90_bwd_rows(_launch.sm90_bwd_headdim(d), spec, seqlen_q=sq) == 80
     test_sm90_backward_matches_the_reference((b, sq, sk, h, hk, d, dict(kw, causal=True)), dtype, request)
 
 
@@ -524,7 +523,8 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     (128, dict(causal=True), 64), (128, dict(window_size=(100, 0)), 64), (128, dict(block_mask=True), 64),
     (128, dict(deterministic=True), 64), (128, dict(score_mod=True), 80),
     (128, dict(alibi_slopes=np.ones(2), seq=_spec.SEQ_PACKED), 64), (128, dict(seq=_spec.SEQ_PACKED), 80),
-    (128, dict(alibi_slopes=np.ones(2), causal=True, seqlen_q=8192), 64),
+    (128, dict(alibi_slopes=np.ones(2), causal=True, seqlen_q=8192), 80),
+    (128, dict(alibi_slopes=np.ones(2), causal=True, seqlen_q=8191), 64),
     (128, dict(causal=True, seqlen_q=8192), 80), (96, dict(causal=True, softcap=5.0, seqlen_q=9000), 80),
     (128, dict(causal=True, seqlen_q=8191), 64), (128, dict(causal=True, seqlen_q=8192, seq=_spec.SEQ_PACKED), 64),
     (128, dict(window_size=(100, 0), seqlen_q=8192), 64), (128, dict(window_size=(2047, 0), seqlen_q=8192), 80),
