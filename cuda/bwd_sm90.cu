@@ -453,6 +453,7 @@ __device__ __forceinline__ void user_probs_t(const float (&st)[1][NT][4], const 
                                              PSink&& psink, DsSink&& dssink) {
     using C = ScoreCoords<true>;
     const C at(key0, q0, lane);
+    const FragmentBand<true, V, BwdParams> band(mask, at);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         float pv[4], ds[4];
@@ -461,7 +462,11 @@ __device__ __forceinline__ void user_probs_t(const float (&st)[1][NT][4], const 
             const int key = at.key0 + C::dkey(0, nt, e), query = at.query0() + C::dquery(0, nt, e);
             const float raw = st[0][nt][e];
             pv[e] = fast_exp2(fmaf(mod.user_score(raw, query, key), LOG2E, -lse_of(nt, e & 1)));
-            if (masked && mask.hidden(query, key)) pv[e] = 0.f;
+            // A snippet that reads a table per score keeps the test of the row and key (beside
+            // its loads the band's registers made ptxas serialize the 80-query kernel).
+            if (masked && (V::Mods::Gathers ? mask.hidden(query, key)
+                                            : band.hides(0, nt, e) || mask.user_hides(query, key)))
+                pv[e] = 0.f;
             ds[e] = mod.user_grad(raw, pv[e] * (dpt[0][nt][e] - d_of(nt, e & 1)), query, key, true);
         }
         psink(nt, pv);

@@ -136,6 +136,26 @@ __device__ __forceinline__ HiddenBits<M, N> user_hidden_bits(const Mask<V, Param
     return bits;
 }
 
+// The bounds' and the band's test of a fragment's elements (ScoreCoords): on the element's
+// constant offsets from the lane's element 0, one compare each.
+template <bool Transposed, typename V, typename Params>
+struct FragmentBand {
+    using C = ScoreCoords<Transposed>;
+    int diff_hi, diff_lo, key_hi;
+
+    __device__ __forceinline__ FragmentBand(const Mask<V, Params>& mask, const C& at) {
+        const int shift = mask.seqlen_k() - mask.seqlen_q();
+        diff_hi = shift + (V::Local ? mask.p.window_right : 0) - at.diff0;
+        diff_lo = shift - (V::Local ? mask.p.window_left : 0) - at.diff0;
+        key_hi = mask.seqlen_k() - at.key0;
+    }
+    // Element e of tile (m, n) lies past the keys or outside the band.
+    __device__ __forceinline__ bool hides(int m, int n, int e) const {
+        const int ddiff = C::ddiff(m, n, e);
+        return (V::Band && ddiff > diff_hi) || C::dkey(m, n, e) >= key_hi || (V::Local && ddiff < diff_lo);
+    }
+};
+
 // Sets to -inf the scores of a fragment (ScoreCoords) that the mask hides (the user's
 // mask_mod too: user_hides(element index, query, key), by default the snippet itself).
 // exp2 of -inf is exactly 0, so the softmax and the gradients need nothing else.
@@ -144,10 +164,9 @@ __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, P
                                             int lane, const UserHides& user_hides) {
     using C = ScoreCoords<Transposed>;
     const C at(row0, col0, lane);
-    const int shift = mask.seqlen_k() - mask.seqlen_q();
-    const int diff_hi = shift + (V::Local ? mask.p.window_right : 0) - at.diff0;
-    const int diff_lo = shift - (V::Local ? mask.p.window_left : 0) - at.diff0;
-    const int key_hi = mask.seqlen_k() - at.key0;
+    const FragmentBand<Transposed, V, Params> band(mask, at);
+    // band.hides' test, written out: through the call ptxas canonicalized the window kernels'
+    // compares differently (the same count), and these kernels were measured as they are.
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -155,7 +174,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[M][N][4], const Mask<V, P
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int ddiff = C::ddiff(m, n, e);
-                if ((V::Band && ddiff > diff_hi) || C::dkey(m, n, e) >= key_hi || (V::Local && ddiff < diff_lo) ||
+                if ((V::Band && ddiff > band.diff_hi) || C::dkey(m, n, e) >= band.key_hi ||
+                    (V::Local && ddiff < band.diff_lo) ||
                     user_hides((m * N + n) * 4 + e, at.query0() + C::dquery(m, n, e), at.key0 + C::dkey(m, n, e)))
                     s[m][n][e] = neg_inf();
             }
