@@ -49,7 +49,7 @@ struct FwdSm90Params {
 
 // Keys: the keys per block (cupyflash/_launch.py sm90_fwd_keys), S = Q K^T as one m64nKeys
 // product per k16 step where its accumulators and O's fit the consumers' registers: 128 up to
-// head dim 128, 64 above (80 at 256 without modifiers or block masks).
+// head dim 128, 64 above (80 at 256 without user mods or block masks).
 template <typename Elem, int HeadDim, typename V, int Groups, int Keys>
 __global__ void __launch_bounds__(128 * (Groups + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {

@@ -736,12 +736,12 @@ def sm90_fwd_keys(spec, block_mask):
     """Keys per block of the Hopper forward (cuda/fwd_sm90.cu's Keys): 128 up to head dim 128;
     above, 64, but 80 at 256 (S = Q K^T by m64n80: 25% more FLOPs per byte of Q read from
     shared memory than m64n64; measured there only) for calls without a block mask (80
-    divides no mask block), softcap, ALiBi or user mods (their registers spill beside 80 keys'
-    scores and O)."""
+    divides no mask block) or user mods (their registers spill beside 80 keys' scores and O;
+    softcap's and ALiBi's did until the forty-ninth session, benchmarks/NOTES.md)."""
     hd = sm90_headdim(spec.headdim)
     if hd <= 128:
         return 128
-    plain = block_mask is None and not (spec.softcap or spec.alibi or spec.user_mods)
+    plain = block_mask is None and not spec.user_mods
     return 80 if hd == 256 and plain else 64
 
 

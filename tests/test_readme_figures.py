@@ -610,6 +610,24 @@ def test_readme_user_mod_speed_is_the_cited_run():
     assert all(o < f for o, f in zip(ours_doc, flex_doc))
 
 
+def test_readme_d256_forward_key_block_gains_are_the_cited_run():
+    """The d=256 forward's 80-key blocks with softcap and ALiBi: the gains the README gives over
+    64-key blocks are the cited A/B's, and the rule is the launcher's."""
+    from cupyflash import _spec
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"80 at 256 without user mods or a block mask; against 64, softcap's forward at 8K "
+                  r"([-+][\d.]+)% / ([-+][\d.]+)% \(non-causal / causal\), ALiBi's ([-+][\d.]+)% / "
+                  r"([-+][\d.]+)%, both ([-+][\d.]+)% \(causal\), `(benchmarks/results/[^`]+\.json)`", text)
+    gains = {cell: round(g, 1) for (cell,), g in _tree_gains(m.group(6), "new").items()}
+    cells = ["256:8192:0:fwd:softcap", "256:8192:1:fwd:softcap", "256:8192:0:fwd:alibi",
+             "256:8192:1:fwd:alibi", "256:8192:1:fwd:softcap_alibi"]
+    assert [float(g) for g in m.groups()[:5]] == [gains[c] for c in cells]
+    q = np.zeros((1, 64, 2, 256), np.float16)
+    for kw in (dict(softcap=5.0), dict(alibi_slopes=np.ones(2, np.float32)), {}):
+        assert _launch.sm90_fwd_keys(_spec.CallSpec.of(q, causal=True, **kw), None) == 80
+        assert _launch.sm90_fwd_keys(_spec.CallSpec.of(q, causal=True, **kw), "mask") == 64
+
+
 def test_readme_planned_hopper_cells_are_open_in_the_cited_runs():
     """The Planned line's open Hopper cells are below target in the runs it names: backward
     cells of the Hopper table's run (and no forward one), the forwards of softcap and user
