@@ -703,6 +703,23 @@ def test_readme_compile_check_sizes_are_the_instantiation_lists():
         assert round(sum(map(len, names.values())), -2) == int(claimed), arch
 
 
+def test_readme_80_query_step_exceptions_are_the_launchers():
+    """The README's list of d=128 calls that keep 64-query steps names ALiBi only in packed
+    batches: causal ALiBi calls take 80 from SM90_BWD_CAUSAL_80_FROM query rows, as plain ones."""
+    from cupyflash import _spec
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "block mask, mask_mod, deterministic order or ALiBi in a packed batch a step is 80 queries" in text
+    q = np.zeros((1, 64, 2, 128), np.float16)
+    slopes = np.ones(2, np.float32)
+    causal = _spec.CallSpec.of(q, causal=True, alibi_slopes=slopes)
+    packed = dataclasses.replace(_spec.CallSpec.of(q, causal=False, alibi_slopes=slopes), seq=_spec.SEQ_PACKED)
+    sq = _launch.SM90_BWD_CAUSAL_80_FROM
+    assert _launch.sm90_bwd_rows(128, causal, seqlen_q=sq) == 80
+    assert _launch.sm90_bwd_rows(128, causal, seqlen_q=sq - 1) == 64
+    assert _launch.sm90_bwd_rows(128, packed, seqlen_q=sq) == 64
+    assert _launch.sm90_bwd_rows(128, dataclasses.replace(packed, alibi=False), seqlen_q=sq) == 80
+
+
 def test_readme_beside_preprocess_gains_are_the_cited_run():
     """The Hopper backward's preprocess beside its pass: the causal 2K and 4K range and the
     window's gain read from the A/B the README names (d=128 cells, tree "new" over base)."""
