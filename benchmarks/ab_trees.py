@@ -16,9 +16,9 @@ heads x headdim); a rule of bench_variants.py's ours_keywords (softcap, alibi, u
 window, window_LEFT_RIGHT, ...) times ours with it (TFLOP/s counted as for plain attention).
 A cell decode:batch:context:layout (contiguous, page16, page256) times a decode call of
 bench_decode.py's shapes as it does (CUDA graph replays), in microseconds. A cell
-varlen:causal(0/1):pass(fwd/bwd):check (checked: the offsets read, maximums found there; max:
-read, maximums given; unchecked: check_offsets=False) times bench_varlen.py's packed batch
-eagerly, LOOP calls back to back between two events (the median over ``--calls`` loops), in
+varlen:causal(0/1):pass(fwd/bwd):check[:rule[:headdim]] (checked: the offsets read, maximums
+found there; max: read, maximums given; unchecked: check_offsets=False; a rule as above; a head
+dim other than 128 with 2048 / headdim heads) times bench_varlen.py's packed batch eagerly, LOOP calls back to back between two events (the median over ``--calls`` loops), in
 ms per call: what a loop of such calls costs, host work included. ``--peer`` adds cuDNN
 SDPA's rows once, in the first tree's first rep (dense cells). The table gives TFLOP/s
 (decode: us, varlen: ms) per rep for each tree; untracked trees in the repository root
@@ -91,17 +91,26 @@ def varlen_row(cell, reps):
     import cupyflash as cf
     from cupyflash import bench
     import bench_varlen as bv   # after cupyflash, as bench_decode above
-    _, causal, pass_, check = cell.split(":")
+    _, causal, pass_, check, *more = cell.split(":")
+    rule, headdim = (more + ["", ""])[:2]
     causal = causal == "1"
+    headdim = int(headdim or bv.HEADDIM)
+    nheads = bv.NHEADS * bv.HEADDIM // headdim   # the same bytes and FLOPs per token as the bench
     lens = bv.lengths(16)
     total, longest = int(lens.sum()), int(lens.max())
     cu = bv.offsets(cp, lens)
     cp.random.seed(1)   # drawn on the GPU: the host's draw of 4 x 135M values takes seconds
-    q, k, v, dout = (cp.random.standard_normal((total, bv.NHEADS, bv.HEADDIM), dtype=cp.float32)
+    q, k, v, dout = (cp.random.standard_normal((total, nheads, headdim), dtype=cp.float32)
                      .astype(bench.np_dtype(bv.DTYPE)) for _ in range(4))
-    out, lse = cf.flash_attention_varlen(q, k, v, cu, cu, causal=causal, return_lse=True)
+    mods = {}
+    if rule:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_variants
+        mods = bench_variants.ours_keywords(rule, nheads, longest)
+    out, lse = cf.flash_attention_varlen(q, k, v, cu, cu, causal=causal, return_lse=True, **mods)
     args, kw = {"checked": ((), {}), "max": ((longest, longest), {}),
                 "unchecked": ((longest, longest), {"check_offsets": False})}[check]
+    kw = {**kw, **mods}
     if pass_ == "fwd":
         def call():
             return cf.flash_attention_varlen(q, k, v, cu, cu, *args, causal=causal, return_lse=True, **kw)

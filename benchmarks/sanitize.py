@@ -177,6 +177,7 @@ CASES = (
     # rows without keys.
     Case("bf16", 200, 129, 256, True, nheads=4, nheads_k=2, softcap=4.0),
     Case("fp16", 97, 130, 256, True, softcap=20.0, alibi=True),
+    Case("bf16", 260, 300, 256, False, batch=2, window=(64, 16), alibi=True),
     Case("bf16", 200, 130, 64, False, block=(64, 64), softcap=3.0, alibi=True),
     Case("fp32", 130, 97, 72, True, window=(30, 10), softcap=4.0, alibi=True),
     Case("fp64", 97, 130, 40, False, softcap=2.0, alibi=True),
@@ -202,6 +203,8 @@ CASES = (
     Case("bf16", 200, 257, 128, True, nheads=4, nheads_k=2,
          packed=((1, 3), (130, 97), (0, 5), (17, 0), (200, 257), (64, 64))),
     Case("fp16", 130, 130, 64, False, packed=((97, 130), (130, 1), (5, 17))),
+    Case("fp16", 200, 257, 128, False, nheads=4, nheads_k=2, alibi=True,
+         packed=((200, 257), (1, 3), (130, 97))),   # 80-query backward steps
     Case("bf16", 130, 200, 256, True, packed=((130, 200), (33, 17), (1, 1))),
     Case("fp32", 130, 97, 72, True, nheads=4, nheads_k=2, packed=((130, 97), (0, 3), (17, 40))),
     # KV caches (the decode kernels): empty, partial and full entries, contiguous and paged
@@ -280,9 +283,13 @@ def _run_packed(case, host):
     import cupyflash as cf
     q, k, v, dout = (cp.asarray(x) for x in host)
     cu = [cp.asarray(c) for c in _offsets(case)]
-    out, lse = cf.flash_attention_varlen(q, k, v, *cu, causal=case.causal, return_lse=True)
+    assert not case.dropout, "a packed case's sequences are checked as dense ones: no dropout"
+    kw = case.keywords(cp)
+    if kw["alibi_slopes"] is not None:   # each sequence the slopes of a dense case of batch 1
+        kw["alibi_slopes"] = cp.tile(kw["alibi_slopes"][:1], (len(case.packed), 1))
+    out, lse = cf.flash_attention_varlen(q, k, v, *cu, causal=case.causal, return_lse=True, **kw)
     grads = {mode: tuple(cp.asnumpy(x) for x in cf.flash_attention_varlen_backward(
-                 dout, q, k, v, out, lse, *cu, causal=case.causal, deterministic=mode == "deterministic"))
+                 dout, q, k, v, out, lse, *cu, causal=case.causal, deterministic=mode == "deterministic", **kw))
              for mode in case.modes}
     return cp.asnumpy(out), cp.asnumpy(lse), grads
 

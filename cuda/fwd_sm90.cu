@@ -71,10 +71,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // The softmax's maxima settle (softmax.cuh) where two consumers take turns: plain, capped
     // and ALiBi scores (the last visited from the diagonal, pivot_of below) measured 2-7%
     // faster; with three consumers (head dim 64) and with user score_mods, whose maxima may
-    // climb along the keys, 1.5-6% slower (benchmarks/NOTES.md). Above head dim 128 the
-    // window's, packed calls' and softcap + ALiBi kernels spill with it.
-    constexpr bool Settled = Groups == 2 && !V::UserScore &&
-                             (HeadDim <= 128 || !(V::Local || V::Varlen || (V::Alibi && V::Softcap)));
+    // climb along the keys, 1.5-6% slower, and above head dim 128 with softcap + ALiBi 5%
+    // slower (benchmarks/NOTES.md).
+    constexpr bool Settled = Groups == 2 && !V::UserScore && (HeadDim <= 128 || !(V::Alibi && V::Softcap));
     // Settled, up to head dim 128 and without softcap, the softmax does not wait for the
     // block's max (softmax_step below): with softcap that measured 5% slower, above head dim
     // 128 1% faster and it spilled.

@@ -873,19 +873,14 @@ def sm90_bwd_rows(hd, spec=None, block_mask=None, deterministic=False, seqlen_q=
     fewer shared-memory bytes per FLOP with dQ made transposed (cuda/bwd_sm90.cu), for calls
     without a band, causal ones of ``SM90_BWD_CAUSAL_80_FROM`` query rows or more and windows
     of ``SM90_BWD_LOCAL_80_FROM`` rows or more (neither packed), without a block mask, mask_mod
-    or deterministic order, else 64.
-    ALiBi in packed batches keeps 64 (at 80 ptxas once serialized their wgmma for want of
-    registers; a user score_mod's kernel is checked once compiled: ``sm90_bwd_step``); causal
-    ALiBi's 80-query kernels compile clean again and run 4.8% faster at 8K, 6.5% at 16K
-    (softcap + ALiBi 5.0%, 6.9%; H200, bf16, benchmarks/NOTES.md, forty-ninth session).
-    Without ``spec``: the rows of calls that cannot take 80."""
+    or deterministic order, else 64 (a user score_mod's kernel is checked once compiled:
+    ``sm90_bwd_step``). Without ``spec``: the rows of calls that cannot take 80."""
     if hd == 64:
         return 128
     band_ok = spec is not None and (spec.window == _spec.NO_WINDOW
                                     or (not spec.varlen and _band_takes_80(spec, seqlen_q)))
     wide_rows = (hd == 128 and band_ok and block_mask is None
-                 and not deterministic and not spec.mask_mod
-                 and not (spec.alibi and spec.varlen))
+                 and not deterministic and not spec.mask_mod)
     return 80 if wide_rows else 64
 
 

@@ -227,6 +227,10 @@ SM90_CASES = [
     (1, 333, 300, 4, 2, 128, dict(softcap=5.0, causal=True)),
     (2, 300, 333, 4, 4, 64, dict(alibi=True)),
     (1, 260, 300, 2, 2, 128, dict(softcap=3.0, alibi=True, window_size=(64, 0))),
+    # Above head dim 128 with settled maxima: softcap + ALiBi, a window, both.
+    (1, 333, 300, 4, 2, 256, dict(softcap=3.0, alibi=True, causal=True)),
+    (1, 400, 350, 2, 1, 192, dict(window_size=(100, 20))),
+    (2, 260, 300, 2, 2, 256, dict(softcap=3.0, alibi=True, window_size=(64, 0))),
     (1, 300, 400, 4, 2, 128, dict(block_mask="sliding")),
     # More tiles than SMs: the persistent blocks take several each, Q's and the buffers'
     # phases running on across tiles.
@@ -522,7 +526,7 @@ def test_hopper_backward_takes_block_masks_its_steps_divide(d, family):
     (128, {}, 80), (96, dict(softcap=5.0, alibi_slopes=np.ones(2)), 80), (64, {}, 128), (256, {}, 64),
     (128, dict(causal=True), 64), (128, dict(window_size=(100, 0)), 64), (128, dict(block_mask=True), 64),
     (128, dict(deterministic=True), 64), (128, dict(score_mod=True), 80),
-    (128, dict(alibi_slopes=np.ones(2), seq=_spec.SEQ_PACKED), 64), (128, dict(seq=_spec.SEQ_PACKED), 80),
+    (128, dict(alibi_slopes=np.ones(2), seq=_spec.SEQ_PACKED), 80), (128, dict(seq=_spec.SEQ_PACKED), 80),
     (128, dict(alibi_slopes=np.ones(2), causal=True, seqlen_q=8192), 80),
     (128, dict(alibi_slopes=np.ones(2), causal=True, seqlen_q=8191), 64),
     (128, dict(causal=True, seqlen_q=8192), 80), (96, dict(causal=True, softcap=5.0, seqlen_q=9000), 80),
