@@ -236,6 +236,9 @@ SM90_CASES = [
     # phases running on across tiles.
     (3, 300, 257, 60, 20, 128, dict(causal=True)),
     (2, 257, 130, 120, 40, 64, {}),
+    # Above head dim 128, more tiles than SMs (a block each).
+    (2, 300, 257, 70, 10, 256, {}),
+    (1, 257, 300, 140, 140, 192, dict(softcap=3.0, alibi=True)),
 ] + _end_aligned_cases()
 
 
