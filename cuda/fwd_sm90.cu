@@ -361,9 +361,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // A user mask_mod's verdicts on block `it`, where it needs the mask: made while its
         // S = Q K^T is still running (the snippet's array reads waited for in the chain
         // between S and the softmax made a document mask's partial blocks ~6x the cost of
-        // full ones; benchmarks/NOTES.md). Not in the banded kernels at head dim 128, where
-        // the bits' two registers spilled 4-20 bytes: there the mask runs the snippet inline.
-        constexpr bool EarlyVerdicts = V::UserMask && (HeadDim != 128 || !V::Band);
+        // full ones; benchmarks/NOTES.md). Not in the banded kernels with ALiBi at head dim
+        // 128, where the bits' two registers spill 4-20 bytes: there the mask runs the snippet
+        // inline.
+        constexpr bool EarlyVerdicts = V::UserMask && (HeadDim != 128 || !(V::Band && V::Alibi));
         // The position in the tile's list of the it-th block visited (pivoted tiles' from the pivot).
         auto pos_of = [&](int it) {
             if constexpr (Pivoted) return kb.from_pivot(it, pivot);

@@ -736,13 +736,12 @@ def sm90_fwd_keys(spec, block_mask):
     """Keys per block of the Hopper forward (cuda/fwd_sm90.cu's Keys): 128 up to head dim 128;
     above, 64, but 80 at 256 (S = Q K^T by m64n80: 25% more FLOPs per byte of Q read from
     shared memory than m64n64; measured there only) for calls without a block mask (80
-    divides no mask block) or user mods (their registers spill beside 80 keys' scores and O;
-    softcap's and ALiBi's did until the forty-ninth session, benchmarks/NOTES.md)."""
+    divides no mask block; a mask_mod comes with one). A user score_mod's 80-key kernel is
+    checked at the call (``sm90_fwd_call_tile``)."""
     hd = sm90_headdim(spec.headdim)
     if hd <= 128:
         return 128
-    plain = block_mask is None and not spec.user_mods
-    return 80 if hd == 256 and plain else 64
+    return 80 if hd == 256 and block_mask is None else 64
 
 
 def sm90_fwd_groups(spec, block_mask):
@@ -765,15 +764,18 @@ def _sm90_fwd_name(spec, hd, groups, keys):
 
 
 def sm90_fwd_call_tile(spec, block_mask):
-    """``sm90_fwd_tile``, except for a user score_mod at head dim 64: three consumers where
-    its snippet reads no memory per score (``mods.reads_table``) and its three-consumer kernel,
-    compiled and loaded first, has the registers it needs (``_short_of_registers``), else
-    two. On the H200 three measured 5-15% faster for a score_mod of ALiBi's, and 10% slower
-    for a table lookup per score in causal calls (equal in others; benchmarks/NOTES.md)."""
+    """``sm90_fwd_tile``, except for a user score_mod at head dims 64 and 256: three consumers
+    at 64 and 80-key blocks at 256 where its snippet reads no memory per score
+    (``mods.reads_table``) and that kernel, compiled and loaded first, has the registers it
+    needs (``_short_of_registers``), else two consumers and 64 keys. On the H200 three
+    consumers measured 5-15% faster for a score_mod of ALiBi's, and 10% slower for a table
+    lookup per score in causal calls (equal in others); 80 keys 3-5% faster for a score_mod
+    of ALiBi's (benchmarks/NOTES.md), where a table lookup per score spilled under NVRTC 13.0."""
     groups, keys = sm90_fwd_tile(spec, block_mask)
-    if groups == 3 and spec.score_mod and (mods.reads_table(spec.user_mods) or _short_of_registers(
-            "fwd_sm90.cu", spec, _sm90_fwd_name(spec, sm90_headdim(spec.headdim), groups, keys))):
-        groups = 2
+    hd = sm90_headdim(spec.headdim)
+    if (groups == 3 or keys == 80) and spec.score_mod and (mods.reads_table(spec.user_mods) or _short_of_registers(
+            "fwd_sm90.cu", spec, _sm90_fwd_name(spec, hd, groups, keys))):
+        groups, keys = 2, sm90_fwd_keys(spec, "mask") if keys == 80 else keys
     return groups, keys
 
 

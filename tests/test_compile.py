@@ -176,10 +176,12 @@ def _user_mod_names(score, mask, arch):
                     names["generic.cu"].append(template_name(kernel, elem, hd,
                                                              spec.variant(band_at_run_time=True)))
         # The Hopper kernels run user mods on sm_90 at every head dim (one per kernel shape;
-        # a score_mod's three-consumer forward and its two-consumer fallback at 64).
+        # a score_mod's three-consumer forward and its two-consumer fallback at 64, its 80-key
+        # forward and its 64-key fallback at 256).
         for hd in (64, 128, 256) if arch == "sm_90" else ():
-            groups, keys = _launch.sm90_fwd_tile(dataclasses.replace(spec, headdim=hd), "mask" if mask else None)
-            for g in sorted({groups, 2}):
+            at_hd = dataclasses.replace(spec, headdim=hd)
+            tile = _launch.sm90_fwd_tile(at_hd, "mask" if mask else None)
+            for g, keys in sorted({tile, (2, _launch.sm90_fwd_keys(at_hd, "mask"))}):
                 names["fwd_sm90.cu"].append(template_name("flash_fwd_sm90_kernel", "fp16", hd, variant, g, keys))
             names["bwd_sm90.cu"].append(
                 template_name("flash_bwd_sm90_wide_kernel", "fp16", variant) if hd == 256 else

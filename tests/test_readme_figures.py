@@ -615,13 +615,21 @@ def test_readme_d256_forward_key_block_gains_are_the_cited_run():
     64-key blocks are the cited A/B's, and the rule is the launcher's."""
     from cupyflash import _spec
     text = " ".join((ROOT / "README.md").read_text().split())
-    m = re.search(r"80 at 256 without user mods or a block mask; against 64, softcap's forward at 8K "
+    m = re.search(r"80 at 256 without a block mask; against 64, softcap's forward at 8K "
                   r"([-+][\d.]+)% / ([-+][\d.]+)% \(non-causal / causal\), ALiBi's ([-+][\d.]+)% / "
                   r"([-+][\d.]+)%, both ([-+][\d.]+)% \(causal\), `(benchmarks/results/[^`]+\.json)`", text)
     gains = {cell: round(g, 1) for (cell,), g in _tree_gains(m.group(6), "new").items()}
     cells = ["256:8192:0:fwd:softcap", "256:8192:1:fwd:softcap", "256:8192:0:fwd:alibi",
              "256:8192:1:fwd:alibi", "256:8192:1:fwd:softcap_alibi"]
     assert [float(g) for g in m.groups()[:5]] == [gains[c] for c in cells]
+    # A user score_mod's 80 keys and the banded mask_mod kernels' early verdicts (one run).
+    m = re.search(r"one spelling ALiBi ([-+][\d.]+)% / ([-+][\d.]+)% at 8K\); .*? a document mask_mod in causal "
+                  r"calls at 8K ([-+][\d.]+)%, the mask_mod spelling causal in causal calls ([-+][\d.]+)%; .*?"
+                  r"`(benchmarks/results/[^`]+\.json)`", text)
+    gains = {cell: round(g, 1) for (cell,), g in _tree_gains(m.group(5), "new").items()}
+    cells = ["256:8192:0:fwd:user_alibi", "256:8192:1:fwd:user_alibi", "128:8192:1:fwd:document",
+             "128:8192:1:fwd:user_causal"]
+    assert [float(g) for g in m.groups()[:4]] == [gains[c] for c in cells]
     q = np.zeros((1, 64, 2, 256), np.float16)
     for kw in (dict(softcap=5.0), dict(alibi_slopes=np.ones(2, np.float32)), {}):
         assert _launch.sm90_fwd_keys(_spec.CallSpec.of(q, causal=True, **kw), None) == 80

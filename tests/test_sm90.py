@@ -389,10 +389,10 @@ def test_hopper_forward_takes_three_consumers_at_d64(d, kw, groups):
     ("score + bias[bias.offset(h, kv_idx - q_idx + 512)]", 2),
     ("score + rel(min(max(q_idx - kv_idx, -64), 64) + 64, h)", 2)],
     ids=["alibi", "constant", "table", "clamped-table"])
-def test_user_score_mod_at_d64_takes_three_consumers_where_it_reads_no_table(rule, groups, causal):
-    """A user score_mod at head dim 64 runs on three consumers where it reads no memory per
-    score and its three-consumer kernel compiles without local memory; a table lookup per
-    score takes two (the first also spills with three)."""
+def test_user_score_mod_at_d64_and_256_takes_the_larger_tile_where_it_reads_no_table(rule, groups, causal):
+    """A user score_mod at head dim 64 runs on three consumers, and at 256 on 80-key blocks,
+    where it reads no memory per score and that kernel compiles without local memory; a table
+    lookup per score takes two consumers and 64 keys (the first also spills with three)."""
     import cupy
     from cupyflash import mods
     if cupy.cuda.Device().compute_capability != "90":
@@ -400,9 +400,10 @@ def test_user_score_mod_at_d64_takes_three_consumers_where_it_reads_no_table(rul
     arrays = {"slopes": np.zeros(4, np.float32), "bias": np.zeros((4, 1024), np.float32),
               "rel": np.zeros((129, 4), np.float32)}
     sm = cf.ScoreMod(rule, arrays={n: a for n, a in arrays.items() if n in rule})
-    q = np.zeros((1, 256, 4, 64), np.float16)
-    spec = _spec.CallSpec.of(q, causal=causal, score_mod=sm, user_mods=mods.prelude(sm, None))
-    assert _launch.sm90_fwd_call_tile(spec, None) == (groups, 128)
+    for d, tile in ((64, (groups, 128)), (256, (2, 80 if groups == 3 else 64))):
+        q = np.zeros((1, 256, 4, d), np.float16)
+        spec = _spec.CallSpec.of(q, causal=causal, score_mod=sm, user_mods=mods.prelude(sm, None))
+        assert _launch.sm90_fwd_call_tile(spec, None) == tile
 
 
 @pytest.mark.gpu
