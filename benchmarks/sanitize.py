@@ -178,6 +178,9 @@ CASES = (
     Case("bf16", 200, 129, 256, True, nheads=4, nheads_k=2, softcap=4.0),
     Case("fp16", 97, 130, 256, True, softcap=20.0, alibi=True),
     Case("bf16", 260, 300, 256, False, batch=2, window=(64, 16), alibi=True),
+    # softcap at head dim 64: three consumers (192-row tiles from 128 rows before row 0).
+    Case("fp16", 200, 230, 64, True, nheads=2, softcap=3.0, alibi=True),
+    Case("bf16", 257, 255, 64, False, softcap=4.0),
     Case("bf16", 200, 130, 64, False, block=(64, 64), softcap=3.0, alibi=True),
     Case("fp32", 130, 97, 72, True, window=(30, 10), softcap=4.0, alibi=True),
     Case("fp64", 97, 130, 40, False, softcap=2.0, alibi=True),

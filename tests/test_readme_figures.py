@@ -610,6 +610,21 @@ def test_readme_user_mod_speed_is_the_cited_run():
     assert all(o < f for o, f in zip(ours_doc, flex_doc))
 
 
+def test_readme_d64_softcap_alibi_three_consumer_gains_are_the_cited_run():
+    """softcap with ALiBi at head dim 64 on three consumers: the README's gains are the cited
+    A/B's (tree t3, the landed rule), and the launcher's rule keeps softcap alone on two."""
+    from cupyflash import _spec
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"softcap with ALiBi there ([-+][\d.]+)% / ([-+][\d.]+)% at 8K \(non-causal / causal\) on three, "
+                  r"`(benchmarks/results/[^`]+\.json)`", text)
+    gains = {cell: round(g, 1) for (cell,), g in _tree_gains(m.group(3), "t3").items()}
+    assert [float(g) for g in m.groups()[:2]] == [gains["64:8192:0:fwd:softcap_alibi"], gains["64:8192:1:fwd:softcap_alibi"]]
+    q = np.zeros((1, 64, 2, 64), np.float16)
+    slopes = np.ones(2, np.float32)
+    assert _launch.sm90_fwd_groups(_spec.CallSpec.of(q, causal=True, softcap=5.0, alibi_slopes=slopes), None) == 3
+    assert _launch.sm90_fwd_groups(_spec.CallSpec.of(q, causal=True, softcap=5.0), None) == 2
+
+
 def test_readme_d256_forward_key_block_gains_are_the_cited_run():
     """The d=256 forward's 80-key blocks with softcap and ALiBi: the gains the README gives over
     64-key blocks are the cited A/B's, and the rule is the launcher's."""

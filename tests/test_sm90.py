@@ -367,6 +367,7 @@ def test_hopper_forward_shared_memory_fits_sm90():
 
 @pytest.mark.parametrize("d, kw, groups", [
     (64, {}, 3), (40, dict(causal=True, alibi=True), 3), (64, dict(softcap=2.0), 2),
+    (64, dict(softcap=2.0, alibi=True), 3), (64, dict(causal=True, softcap=2.0, alibi=True), 3),
     (64, dict(block_mask=True), 2), (64, dict(score_mod=True), 3), (128, {}, 2), (256, {}, 2)])
 def test_hopper_forward_takes_three_consumers_at_d64(d, kw, groups):
     """192-row tiles (three consumer warpgroups) at head dim 64, except where a block mask's
