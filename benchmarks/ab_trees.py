@@ -13,7 +13,8 @@ machine whose CuPy cache lacks them, the first round otherwise compiles one kern
 
 A cell is headdim:seqlen:causal(0/1):passes[:rule], at the bench's shapes (16K tokens, 2048 =
 heads x headdim); a rule of bench_variants.py's ours_keywords (softcap, alibi, user_alibi,
-window, window_LEFT_RIGHT, ...) times ours with it (TFLOP/s counted as for plain attention).
+window, window_LEFT_RIGHT, ...; rules joined by + together, e.g. user_alibi+document) times ours
+with it (TFLOP/s counted as for plain attention).
 A cell decode:batch:context:layout (contiguous, page16, page256) times a decode call of
 bench_decode.py's shapes as it does (CUDA graph replays), in microseconds. A cell
 varlen:causal(0/1):pass(fwd/bwd):check[:rule[:headdim]] (checked: the offsets read, maximums

@@ -133,6 +133,8 @@ def visible_fraction(seqlen, window):
 
 
 def ours_keywords(rule, nheads, seqlen=None):
+    if "+" in rule:   # for ab_trees.py's cells: rules together (a score_mod with a mask_mod)
+        return {k: v for r in rule.split("+") for k, v in ours_keywords(r, nheads, seqlen).items()}
     if rule in USER_RULES:
         return user_keywords(rule, nheads, seqlen)
     if rule == "softcap":

@@ -446,11 +446,14 @@ __device__ __forceinline__ void dscores_t(const float (&st)[1][NT][4], const flo
 // S^T and d loss / d its result, P^T (dP^T - D), so st stays raw and dP^T must be in (no part
 // of P^T is made under dP^T's product). Each tile's four probabilities go to psink(nt, pv), its
 // dS^T to dssink(nt, ds); the arrays' gradients are added here (this pass is the only one).
-template <typename V, int NT, typename LseOf, typename DOf, typename PSink, typename DsSink>
+// verdicts: a user mask_mod's verdicts on the step (as probs_t's), or null.
+template <typename V, int NT, typename LseOf, typename DOf, typename PSink, typename DsSink,
+          typename Verdicts = HiddenBits<1, 1>>
 __device__ __forceinline__ void user_probs_t(const float (&st)[1][NT][4], const float (&dpt)[1][NT][4],
                                              const ScoreMod<V, BwdParams>& mod, const Mask<V, BwdParams>& mask,
                                              bool masked, int key0, int q0, int lane, LseOf&& lse_of, DOf&& d_of,
-                                             PSink&& psink, DsSink&& dssink) {
+                                             PSink&& psink, DsSink&& dssink, const Verdicts* verdicts = nullptr,
+                                             int bit0 = 0) {
     using C = ScoreCoords<true>;
     const C at(key0, q0, lane);
     const FragmentBand<true, V, BwdParams> band(mask, at);
@@ -464,8 +467,9 @@ __device__ __forceinline__ void user_probs_t(const float (&st)[1][NT][4], const 
             pv[e] = fast_exp2(fmaf(mod.user_score(raw, query, key), LOG2E, -lse_of(nt, e & 1)));
             // A snippet that reads a table per score keeps the test of the row and key (beside
             // its loads the band's registers made ptxas serialize the 80-query kernel).
-            if (masked && (V::Mods::Gathers ? mask.hidden(query, key)
-                                            : band.hides(0, nt, e) || mask.user_hides(query, key)))
+            if (masked && (verdicts   ? band.hides(0, nt, e) || (*verdicts)(bit0 + 4 * nt + e)
+                           : V::Mods::Gathers ? mask.hidden(query, key)
+                                              : band.hides(0, nt, e) || mask.user_hides(query, key)))
                 pv[e] = 0.f;
             ds[e] = mod.user_grad(raw, pv[e] * (dpt[0][nt][e] - d_of(nt, e & 1)), query, key, true);
         }
@@ -523,9 +527,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     // all the queries x half the head dim.
     constexpr int Bc = 128, Stages = 2, Consumers = 256;
     constexpr bool QSplit = Br == 128, DqT = Br == 80;
-    // A user mask_mod (without a user score_mod, whose step masks on its own) runs on a step's
-    // elements while its products run, not between S^T's landing and the probabilities.
-    constexpr bool EarlyVerdicts = V::UserMask && !V::UserScore;
+    // A user mask_mod runs on a step's elements while its products run, not between S^T's
+    // landing and the probabilities.
+    constexpr bool EarlyVerdicts = V::UserMask;
     constexpr int Halves = HeadDim / 64, Sub = 64 * 64, QChunk = Br * 64, NT = Br / 8, DT = HeadDim / 8;
     constexpr int DQ_N = QSplit ? HeadDim : HeadDim / 2;   // the warpgroup's dQ columns
     // A warp's dQ stage (floats): 16 rows x DQ_N, or DqT 16 columns x Br queries, n8 tiles of
@@ -700,7 +704,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
                 }
                 user_probs_t(st_p, dpt_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane, lse_of,
                              [&](int nt, int j) { return d_of(nt0 + nt, j); }, to_pa,
-                             [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); });
+                             [&](int nt, const float (&ds)[4]) { to_ds(nt0 + nt, ds); },
+                             EarlyVerdicts ? &hidden : nullptr, 4 * nt0);
             } else {
                 probs_t(st_p, mod, mask, masked, col0 + key_w, m0 + 8 * nt0, lane, lse_of,
                         [&](int nt, const float (&pv)[4]) {

@@ -639,11 +639,19 @@ def test_readme_d256_forward_key_block_gains_are_the_cited_run():
     assert [float(g) for g in m.groups()[:5]] == [gains[c] for c in cells]
     # A user score_mod's 80 keys and the banded mask_mod kernels' early verdicts (one run).
     m = re.search(r"one spelling ALiBi ([-+][\d.]+)% / ([-+][\d.]+)% at 8K\); .*? a document mask_mod in causal "
-                  r"calls at 8K ([-+][\d.]+)%, the mask_mod spelling causal in causal calls ([-+][\d.]+)%; .*?"
+                  r"calls at 8K ([-+][\d.]+)%, the mask_mod spelling causal in causal calls ([-+][\d.]+)%, "
                   r"`(benchmarks/results/[^`]+\.json)`", text)
     gains = {cell: round(g, 1) for (cell,), g in _tree_gains(m.group(5), "new").items()}
     cells = ["256:8192:0:fwd:user_alibi", "256:8192:1:fwd:user_alibi", "128:8192:1:fwd:document",
              "128:8192:1:fwd:user_causal"]
+    assert [float(g) for g in m.groups()[:4]] == [gains[c] for c in cells]
+    # The backward's early verdicts beside a score_mod (one run).
+    m = re.search(r"beside a score_mod too: ALiBi as a snippet with a document mask_mod ([-+][\d.]+)% at d=128 8K, "
+                  r"([-+][\d.]+)% causal, ([-+][\d.]+)% at d=64, a table with its gradient ([-+][\d.]+)%, "
+                  r"`(benchmarks/results/[^`]+\.json)`", text)
+    gains = {cell: round(g, 1) for (cell,), g in _tree_gains(m.group(5), "new").items()}
+    cells = ["128:8192:0:bwd:user_alibi+document", "128:8192:1:bwd:user_alibi+document",
+             "64:8192:0:bwd:user_alibi+document", "128:8192:0:bwd:relative_bias_dtable+document"]
     assert [float(g) for g in m.groups()[:4]] == [gains[c] for c in cells]
     q = np.zeros((1, 64, 2, 256), np.float16)
     for kw in (dict(softcap=5.0), dict(alibi_slopes=np.ones(2, np.float32)), {}):
