@@ -849,6 +849,8 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     // and the probabilities: 1.4-3.2% faster here; in the kernel above 2.4% slower to 1.2%
     // faster (benchmarks/NOTES.md).
     constexpr bool BiasFirst = ScoreMod<V, BwdParams>::positional();
+    // A user mask_mod's verdicts on the step made while its products run, as in the kernel above.
+    constexpr bool EarlyVerdicts = V::UserMask;
     static_assert(!V::Dropout, "dropout runs the generic backward");
     const BwdParams& p = tp.base;
 
@@ -918,6 +920,9 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         if constexpr (BiasFirst) mod.bias_into<true>(st, col0 + key_w, m0 + q_w, lane);
         mbar_wait(&bar.qd_full[buf], (g / Stages) & 1);
         issue_scores_t<Elem, Chunks, Sub, BiasFirst>(st_flat, dpt_flat, sK, sV, bQ, bdO, q_w);
+        HiddenBits<1, NT> hidden;
+        if constexpr (EarlyVerdicts)
+            if (masked) hidden = user_hidden_bits<true, 1, NT>(mask, col0 + key_w, m0 + q_w, lane);
         // The step before's Q and dO go back to the producer once the warp's adds from them
         // (the dQ stages) have read them: waited for here, behind this step's products.
         if (g > 0) {
@@ -947,9 +952,11 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         if constexpr (V::UserScore) {
             wgmma_wait<0>();
             wgmma_fence_operands(dpt_flat);
-            user_probs_t(st, dpt, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, d_of, to_pt, to_dst);
+            user_probs_t(st, dpt, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, d_of, to_pt, to_dst,
+                         EarlyVerdicts ? &hidden : nullptr);
         } else {
-            probs_t<BiasFirst>(st, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, to_pt);
+            probs_t<BiasFirst>(st, mod, mask, masked, col0 + key_w, m0 + q_w, lane, lse_of, to_pt,
+                               EarlyVerdicts ? &hidden : nullptr);
             wgmma_wait<0>();
             wgmma_fence_operands(dpt_flat);
 #pragma unroll

@@ -653,6 +653,11 @@ def test_readme_d256_forward_key_block_gains_are_the_cited_run():
     cells = ["128:8192:0:bwd:user_alibi+document", "128:8192:1:bwd:user_alibi+document",
              "64:8192:0:bwd:user_alibi+document", "128:8192:0:bwd:relative_bias_dtable+document"]
     assert [float(g) for g in m.groups()[:4]] == [gains[c] for c in cells]
+    m = re.search(r"at d=256 the document mask_mod ([-+][\d.]+)%, with ALiBi as a snippet ([-+][\d.]+)%, "
+                  r"`(benchmarks/results/[^`]+\.json)`", text)
+    gains = {cell: round(g, 1) for (cell,), g in _tree_gains(m.group(3), "new").items()}
+    assert [float(g) for g in m.groups()[:2]] == [gains["256:8192:0:bwd:document"],
+                                                  gains["256:8192:0:bwd:user_alibi+document"]]
     q = np.zeros((1, 64, 2, 256), np.float16)
     for kw in (dict(softcap=5.0), dict(alibi_slopes=np.ones(2, np.float32)), {}):
         assert _launch.sm90_fwd_keys(_spec.CallSpec.of(q, causal=True, **kw), None) == 80
