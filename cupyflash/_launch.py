@@ -749,9 +749,10 @@ def sm90_fwd_groups(spec, block_mask):
     Groups): three at head dim 64, where one warpgroup's softmax takes as long as its products,
     except with a block mask (192-row tiles divide no mask block; a mask_mod comes with one)
     or softcap alone (on three, 1.6-2.5% slower in causal calls and at 2K; softcap with ALiBi
-    10-19% faster there; H200, benchmarks/NOTES.md, fiftieth session); else two. A user
-    score_mod's three-consumer kernel is checked at the call (``sm90_fwd_call_tile``)."""
-    plain = block_mask is None and not (spec.softcap and not spec.alibi)
+    10-19% faster there; H200, benchmarks/NOTES.md, fiftieth session), or softcap with ALiBi in
+    packed batches (the causal kernel spilled 8 bytes on three under NVRTC 13.5); else two. A
+    user score_mod's three-consumer kernel is checked at the call (``sm90_fwd_call_tile``)."""
+    plain = block_mask is None and not (spec.softcap and (spec.varlen or not spec.alibi))
     return 3 if sm90_headdim(spec.headdim) == 64 and plain else 2
 
 

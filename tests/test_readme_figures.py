@@ -615,7 +615,8 @@ def test_readme_d64_softcap_alibi_three_consumer_gains_are_the_cited_run():
     A/B's (tree t3, the landed rule), and the launcher's rule keeps softcap alone on two."""
     from cupyflash import _spec
     text = " ".join((ROOT / "README.md").read_text().split())
-    m = re.search(r"softcap with ALiBi there ([-+][\d.]+)% / ([-+][\d.]+)% at 8K \(non-causal / causal\) on three, "
+    m = re.search(r"softcap with ALiBi there, but in packed batches, ([-+][\d.]+)% / ([-+][\d.]+)% at 8K "
+                  r"\(non-causal / causal\) on three, "
                   r"`(benchmarks/results/[^`]+\.json)`", text)
     gains = {cell: round(g, 1) for (cell,), g in _tree_gains(m.group(3), "t3").items()}
     assert [float(g) for g in m.groups()[:2]] == [gains["64:8192:0:fwd:softcap_alibi"], gains["64:8192:1:fwd:softcap_alibi"]]
@@ -623,6 +624,8 @@ def test_readme_d64_softcap_alibi_three_consumer_gains_are_the_cited_run():
     slopes = np.ones(2, np.float32)
     assert _launch.sm90_fwd_groups(_spec.CallSpec.of(q, causal=True, softcap=5.0, alibi_slopes=slopes), None) == 3
     assert _launch.sm90_fwd_groups(_spec.CallSpec.of(q, causal=True, softcap=5.0), None) == 2
+    packed = dataclasses.replace(_spec.CallSpec.of(q, causal=True, softcap=5.0, alibi_slopes=slopes), seq=_spec.SEQ_PACKED)
+    assert _launch.sm90_fwd_groups(packed, None) == 2
 
 
 def test_readme_d256_forward_key_block_gains_are_the_cited_run():

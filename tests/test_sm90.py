@@ -368,11 +368,13 @@ def test_hopper_forward_shared_memory_fits_sm90():
 @pytest.mark.parametrize("d, kw, groups", [
     (64, {}, 3), (40, dict(causal=True, alibi=True), 3), (64, dict(softcap=2.0), 2),
     (64, dict(softcap=2.0, alibi=True), 3), (64, dict(causal=True, softcap=2.0, alibi=True), 3),
+    (64, dict(causal=True, softcap=2.0, alibi=True, seq=_spec.SEQ_PACKED), 2),
     (64, dict(block_mask=True), 2), (64, dict(score_mod=True), 3), (128, {}, 2), (256, {}, 2)])
 def test_hopper_forward_takes_three_consumers_at_d64(d, kw, groups):
     """192-row tiles (three consumer warpgroups) at head dim 64, except where a block mask's
-    128-row blocks or softcap's registers need the two-consumer kernel (a user score_mod's:
-    checked at the call, below)."""
+    128-row blocks need the two-consumer kernel, softcap alone runs faster on it and softcap
+    with ALiBi in packed batches spilled on three (a user score_mod's: checked at the call,
+    below)."""
     kw = dict(kw)
     mask = cf.masks.causal(256, 256) if kw.pop("block_mask", False) else None
     q = np.zeros((1, 256, 2, d), np.float16)
