@@ -610,6 +610,23 @@ def test_readme_user_mod_speed_is_the_cited_run():
     assert all(o < f for o, f in zip(ours_doc, flex_doc))
 
 
+def test_readme_hopper_kernel_rules_are_the_sources():
+    """The README's rules that the Hopper kernels set at compile time: which forwards settle
+    their maxima, which make a mask_mod's verdicts early (forward), and that both dK/dV
+    kernels make them early with or without a score_mod."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    fwd, bwd = (" ".join((ROOT / "cuda" / f).read_text().split()) for f in ("fwd_sm90.cu", "bwd_sm90.cu"))
+    assert "without a user score_mod or (above head dim 128) softcap with ALiBi, a row's running max settles" in text
+    assert ("constexpr bool Settled = Groups == 2 && !V::UserScore && (HeadDim <= 128 || !(V::Alibi && V::Softcap));"
+            in fwd)
+    assert ("its verdicts kept as bits (but in banded calls with ALiBi at head dim 128, where the bits' registers "
+            "spill; made early in the other banded calls too") in text
+    assert "constexpr bool EarlyVerdicts = V::UserMask && (HeadDim != 128 || !(V::Band && V::Alibi));" in fwd
+    assert "the backward's dK/dV pass does the same at every head dim, beside a score_mod too" in text
+    dkdv = bwd.count("__global__ void __launch_bounds__(384, 1)")   # the two dK/dV kernels
+    assert dkdv == bwd.count("constexpr bool EarlyVerdicts = V::UserMask;") == 2
+
+
 def test_readme_d64_softcap_alibi_three_consumer_gains_are_the_cited_run():
     """softcap with ALiBi at head dim 64 on three consumers: the README's gains are the cited
     A/B's (tree t3, the landed rule), and the launcher's rule keeps softcap alone on two."""

@@ -309,7 +309,8 @@ def test_gpu_packed_variants(dtype, name, request):
     from gpu_checks import seed_of
     lens_q, lens_k = [3, 40, 1, 130, 0], [7, 33, 5, 129, 6]
     h, hk, scale, causal = 4, 2, 0.125, name in ("alibi", "softcap", "softcap_d256")
-    d = {"softcap_d256": 256, "alibi_d128": 128}.get(name, 64)
+    name, _, d = name.partition("_d")   # a head dim in the name, else 64
+    d = int(d or 64)
     q, k, v, dout, cq, ck = gpu_inputs(dtype, lens_q, lens_k, h, hk, d, seed_of(request))
     slopes = cp.asarray(np.random.default_rng(3).uniform(0.1, 0.9, (5, h)).astype(np.float32))
     tab = np.array([0.5, 1.5, 1.0, 0.75, 2.0], np.float32)
@@ -317,9 +318,7 @@ def test_gpu_packed_variants(dtype, name, request):
     kw, variant_of = {
         "window": ({"window_size": (20, 3)}, lambda b, sq, sk: {"window_size": (20, 3)}),
         "softcap": ({"softcap": 2.0}, lambda b, sq, sk: {"softcap": 2.0}),
-        "softcap_d256": ({"softcap": 2.0}, lambda b, sq, sk: {"softcap": 2.0}),
         "alibi": ({"alibi_slopes": slopes}, lambda b, sq, sk: {"alibi_slopes": slopes[b]}),
-        "alibi_d128": ({"alibi_slopes": slopes}, lambda b, sq, sk: {"alibi_slopes": slopes[b]}),
         "dropout": ({"dropout_p": 0.2, "seed": 5},
                     lambda b, sq, sk: {"dropout": drop[b:b + 1, :, :sq, :sk]}),
         # score * tab[b]: the reference with softmax_scale * tab[b], sequence by sequence.
