@@ -161,6 +161,9 @@ CASES = (
     # takes several.
     Case("bf16", 130, 97, 64, False, nheads=70, nheads_k=10),
     Case("fp16", 200, 130, 128, True, nheads=68, nheads_k=17),
+    # Above head dim 128 (strided blocks): tiles of several key blocks, and of one.
+    Case("bf16", 300, 257, 256, False, nheads=70, nheads_k=10),
+    Case("fp16", 200, 60, 192, False, nheads=140, nheads_k=35),
     Case("bf16", 257, 300, 192, False),
     Case("fp16", 200, 200, 224, True),
     # Block-sparse (block rows and columns that see nothing where there are three or more).

@@ -7,7 +7,8 @@
 //
 // Tiles are (query block of 64 x Groups rows, head, batch) of the grid of block_coord's order. At
 // HeadDim <= 128 the kernel is persistent: one thread block per SM takes tiles from a counter in
-// memory (blocks that draw short causal tiles take more of them); above, one block per tile.
+// memory (blocks that draw short causal tiles take more of them); above, a block takes every
+// gridDim.x-th tile where tiles are alike long (Strided below), else one tile.
 // Groups + 1 warpgroups:
 // - the producer (the last warpgroup, its registers given back to the others): one thread
 //   issues the copies of each tile's Q and of its K and V blocks into Stages buffers, each
@@ -24,8 +25,9 @@
 //   may see fewer of the tile's key blocks than its last row does: it stops its products
 //   there and only passes its turns (OwnWalk).
 //   O leaves through shared memory and a bulk tensor store: a stage of its own where shared
-//   memory allows (HeadDim <= 128, where the next tile's copies are landing), else the
-//   warpgroup's Q tile.
+//   memory allows (HeadDim <= 128, where the next tile's copies are landing), else a V buffer
+//   that the tile's products have done with, so that Q's buffer is free after the tile's last
+//   S = Q K^T and the next tile's Q lands under its last products.
 // HeadDim is the head dim rounded up to a multiple of 64: the copy engine fills the columns
 // past the real one with zeros, and the epilogue stores only the real ones.
 #include "common.cuh"
@@ -60,12 +62,21 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr int Halves = HeadDim / 64;   // 64-column sub-tiles of a row block (one swizzle atom wide)
     constexpr int SubQ = 64 * 64, SubKV = Bc * 64;
     constexpr int NT = Bc / 8, DT = HeadDim / 8;
-    constexpr bool OwnStage = HeadDim <= 128;   // O's stage beside Q, K and V (else in Q)
+    constexpr bool OwnStage = HeadDim <= 128;   // O's stage beside Q, K and V (else in a V buffer)
     // Persistent where the producer's 40 registers leave the consumers enough: at HeadDim > 128
     // (O alone takes 128 of a consumer's registers) each block takes one tile and the producer,
     // with no counter to draw from, fits in 24.
     // Three consumers share 65536 registers with the producer: 160 each, 32 for it.
     constexpr bool Persistent = HeadDim <= 128;
+    // Above it, kernels whose tiles all take alike long (no band, no packed rows, no mask_mod)
+    // are persistent with a static stride, which takes no register of the producer's 24: block
+    // b takes tiles b, b + gridDim.x, ..., so that its next tile's Q lands under this tile's
+    // last products and its epilogue, not after a new block's launch (4% faster at 2K; with O
+    // staged in Q's buffer, whose next copy then waited for O's store, even;
+    // benchmarks/NOTES.md). The host launches one block per tile where a block mask's lists
+    // make tiles unequal, and must launch that many wherever this is false
+    // (_launch.sm90_fwd_strided).
+    constexpr bool Strided = !Persistent && !V::Band && !V::Varlen && !V::UserMask;
     constexpr int ProducerRegs = Groups == 3 ? 32 : Persistent ? 40 : 24;
     constexpr int ConsumerRegs = Groups == 3 ? 160 : Persistent ? 232 : 240;
     // The softmax's maxima settle (softmax.cuh) where two consumers take turns: plain, capped
@@ -135,7 +146,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
     u16* sK = sQ + QBufs * QTile;
     u16* sV = sK + Stages * Halves * SubKV;
-    u16* sO = OwnStage ? sV + Stages * Halves * SubKV : sQ;
+    u16* sO = sV + Stages * Halves * SubKV;   // OwnStage's
+    // Not OwnStage: o_free[wg][t % 2] completes once warpgroup wg's store of tile t (its t-th)
+    // has read O from the V buffer it was staged in (one barrier per tile parity, so that no
+    // wait can fall a whole phase behind: a warpgroup stores tile t + 2 only after the
+    // producer's copies for it, which wait for tile t's).
+    __shared__ unsigned long long o_free[2][2];
+    auto o_stored = [&](int wg, int t) {
+        if (t >= 0) mbar_wait(&o_free[wg][t % 2], (t / 2) & 1);
+    };
 
     // Tile w of the grid; causal, and in the launch groups of a mask_mod's block mask whose later
     // rows see more blocks (_launch.sm90_grouped): the last query blocks see the most keys.
@@ -182,6 +201,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             mbar_init(&k_empty[s], Consumers / 32);
             mbar_init(&v_empty[s], Consumers / 32);
         }
+        if (!OwnStage)
+            for (int b = 0; b < 4; ++b) mbar_init(&o_free[b / 2][b % 2], 1);
         mbar_fence_init();
     }
     // OnesSum's column of ones: 256 bf16 ones, written before any product may read them.
@@ -201,9 +222,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     if (threadIdx.x >= Consumers) {
         setmaxnreg_dec<ProducerRegs>();
         if (threadIdx.x != Consumers) return;
-        auto next_tile = [&]() { return Persistent ? static_cast<int>(gridDim.x) + atomicAdd(tp.counter, 1) : n_work; };
+        auto next_tile = [&](int w) {
+            return Persistent ? static_cast<int>(gridDim.x) + atomicAdd(tp.counter, 1)
+                   : Strided  ? w + static_cast<int>(gridDim.x)
+                              : n_work;
+        };
         for (int w = blockIdx.x, t = 0, g = 0;; ++t) {
-            while (w < n_work && idle(w)) w = next_tile();
+            while (w < n_work && idle(w)) w = next_tile(w);
             const int qb = t % QBufs;
             if (t >= QBufs) mbar_wait(&q_empty[qb], (t / QBufs - 1) & 1);
             tile_slot[qb] = w < n_work ? w : -1;
@@ -226,7 +251,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                     tma_load_4d(sQ + qb * QTile + (part * Halves + c) * SubQ, tp.q, 64 * c, h,
                                 seq.q_map_row(EndAligned ? max(row, 0) : row), seq.map_batch(), &q_full[qb]);
             }
-            w = next_tile();
+            w = next_tile(w);
 #pragma unroll 1
             for (int it = 0; it < kb.count; ++it, ++g) {
                 int pos = it;
@@ -239,6 +264,17 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                     tma_load_4d(sK + (buf * Halves + c) * SubKV, tp.k, 64 * c, hk, seq.k_map_row(n0),
                                 seq.map_batch(), &k_full[buf]);
                 if (g >= Stages) mbar_wait(&v_empty[buf], reuse);
+                // Not OwnStage, a tile's first V goes where warpgroup 0 of the tile before staged
+                // O (and where warpgroup 1 of the one before that did, if that tile had one
+                // block), its second where warpgroup 1 of the tile before did.
+                if constexpr (!OwnStage) {
+                    if (it == 0) {
+                        o_stored(0, t - 1);
+                        o_stored(1, t - 2);
+                    } else if (it == 1) {
+                        o_stored(1, t - 1);
+                    }
+                }
                 mbar_expect_bytes(&v_full[buf], Halves * SubKV * 2);
                 for (int c = 0; c < Halves; ++c)
                     tma_load_4d(sV + (buf * Halves + c) * SubKV, tp.v, 64 * c, hk, seq.k_map_row(n0),
@@ -395,11 +431,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                     mask_scores<false>(s, mask, row0 + wrow, n0, lane);
             }
         };
-        // S of block `it` is done with: its K buffer is free, and after the last, Q's (unless
-        // it stages O).
+        // S of block `it` is done with: its K buffer is free, and after the last, Q's.
         auto scores_done = [&](int it) {
             release(&k_empty[(g + it) % Stages]);
-            if (OwnStage && it == own - 1) release_q();
+            if (it == own - 1) release_q();
         };
         // S of block `it` has landed (where the softmax speculates, K and Q are kept until its
         // step).
@@ -493,7 +528,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 release(&k_empty[landed(k_full, g + it)]);
                 release(&v_empty[landed(v_full, g + it)]);
             }
-        } else if (OwnStage) {
+        } else {
             release_q();
         }
         g += kb.count;
@@ -501,7 +536,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // O through the warpgroup's stage (barrier 2 + Groups + wg: its 128 threads) to a bulk
         // store.
         const int own_bar = 2 + Groups + wg;
-        if (OwnStage && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
+        if constexpr (!OwnStage) {
+            // The V buffer of the tile's last block (warpgroup 1, the last to read it) or of the
+            // one before (warpgroup 0), once both warpgroups' products have read it. In a tile
+            // of one block, the one before is the last tile's last, where warpgroup 1 staged.
+            const int x = g - 2 + wg;
+            myO = sV + (x + Stages) % Stages * Halves * SubKV;
+            if (x >= 0) mbar_wait(&v_empty[x % Stages], (x / Stages) & 1);
+            if (wg == 0 && kb.count == 1) o_stored(1, t - 1);
+        }
+        if (store_thread) bulk_wait_read<0>();   // the last tile's store has read it
         named_bar_sync(own_bar, 128);
         // Rows all before row 0 (EndAligned) store nothing.
         const int my_row0 = row0 + 64 * wg;
@@ -521,15 +565,17 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 for (int c = 0; c < Halves; ++c)
                     tma_store_4d(tp.o, 64 * c, h, seq.q_map_row(my_row0), seq.map_batch(), myO + c * SubQ);
                 bulk_commit();
-                if (!OwnStage) bulk_wait_read<0>();
             }
         } else if (stored) {
             copy_stage_rows<Halves, 128>(myO, seq.template q_row<u16>(p.o, h, my_row0), p.o.row_stride,
                                          seq.seqlen_q() - my_row0, p.headdim, threadIdx.x % 128);
         }
         if (!OwnStage) {
-            named_bar_sync(own_bar, 128);   // the store has read Q's tile: the next Q may land
-            release_q();
+            named_bar_sync(own_bar, 128);   // every thread's reads of the stage (copy_stage_rows)
+            if (store_thread) {
+                bulk_wait_read<0>();
+                mbar_arrive(&o_free[wg][t % 2]);
+            }
         }
     }
     if (store_thread) bulk_wait<0>();

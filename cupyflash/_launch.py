@@ -1065,6 +1065,15 @@ def sm90_fwd_l2_part(hd):
     return 2 if hd > 128 else 1
 
 
+def sm90_fwd_strided(spec, block_mask):
+    """Whether the Hopper forward above head dim 128 runs persistent blocks with a static
+    stride (cuda/fwd_sm90.cu's ``Strided``): calls whose tiles all take alike long, without a
+    band, packed rows, a mask_mod or a block mask (whose lists make tiles unequal: one block a
+    tile there)."""
+    return (sm90_headdim(spec.headdim) > 128 and spec.window == _spec.NO_WINDOW and not spec.varlen
+            and not spec.mask_mod and block_mask is None)
+
+
 def sm90_grouped(spec, block_mask, backward=False):
     """Whether a Hopper pass draws a mask_mod's tiles in launch groups, longest first
     (``_tile_grid``), as a causal call's: in the forward where its block mask's later rows
@@ -1096,11 +1105,13 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         tp[name] = _row_map(x, spec.dtype, keys if name in ("k", "v") else 64)
     # Persistent (hd <= 128, cuda/fwd_sm90.cu): one block per SM at most, each taking tiles
-    # of the grid from the counter; else one block per tile.
+    # of the grid from the counter; strided above 128 (``sm90_fwd_strided``): as many, each
+    # taking every SM count-th tile; else one block per tile.
     blocks = int(np.prod(tp["grid"], dtype=np.int64))
     if hd <= 128:
         counter = zeros((), np.int32)
         tp["counter"] = counter.data.ptr
+    if hd <= 128 or sm90_fwd_strided(spec, block_mask):
         blocks = min(blocks, _sm_count())
     name = _sm90_fwd_name(spec, hd, groups, keys)
     _launch("fwd_sm90.cu", name, (blocks, 1, 1), 128 * (groups + 1), sm90_fwd_smem(hd, groups, keys),
