@@ -100,7 +100,7 @@ def test_readme_hopper_target_count_is_the_cited_run():
     short = sorted(k for k, r in ratios.items() if r < target[k])
     total, n_short = (int(x) for x in re.search(r"the same run's (\d+) cells .*?fall short in (\d+)", text, re.S).groups())
     assert (total, n_short) == (len(ratios), len(short))
-    listed = _cells(text[text.index("fall short in"):text.index("In an earlier run")])
+    listed = _cells(text[text.index("fall short in"):text.index("In the run before")])
     assert [k[:5] for k in listed] == short
     assert [k[5] for k in listed] == [f"{ratios[k]:.3f}" for k in short]
     assert all(k[0] == "bwd" for k in short)
@@ -491,7 +491,7 @@ def test_readme_half_l2_group_gains_are_the_cited_run():
     """The forward's half-L2 groups above head dim 128: the range of gains (the mean of tree
     "g32"'s reps over base's) of every d=256 cell of the cited run, both dtypes and calls."""
     text = (ROOT / "README.md").read_text()
-    start = text.index("Above head dim 128, where the forward takes a block per tile")
+    start = text.index("Above head dim 128, where the causal forward takes a block per tile")
     sentence = text[start:text.index("Everything else (dropout", start)]
     lo, hi = (float(x) for x in re.search(r"([\d.]+)-([\d.]+)% faster at d=256 causal", sentence).groups())
     (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
@@ -848,3 +848,23 @@ def test_readme_beside_preprocess_rule_is_the_launchers():
     # A mask_mod's kernels are compiled without the wait (cuda/bwd_sm90.cu's reads_beside), so
     # the rule leaves them out even if the call's block mask were not passed along.
     assert not beside(hi, step, mask_mod=True)
+
+
+def test_readme_wide_strided_forward_gains_are_the_cited_run():
+    """The forward above head dim 128 in strided persistent blocks with O staged in V: the
+    README's gains are the cited A/Bs', and the launcher strides exactly the calls it names."""
+    from cupyflash import _spec
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"so that the next tile's Q lands under this tile's last products: ([-+][\d.]+)% at d=256 2K in bf16, "
+                  r"([-+][\d.]+)% in fp16, ([-+][\d.]+)% at d=192 2K, ([-+][\d.]+)% at d=256 16K "
+                  r"\(`(benchmarks/results/[^`]+_bf16\.json)`, `(benchmarks/results/[^`]+_fp16\.json)`\)", text)
+    bf16, fp16 = (_tree_gains(p, "new") for p in m.groups()[4:])
+    figures = [bf16[("256:2048:0:fwd",)], fp16[("256:2048:0:fwd",)], bf16[("192:2048:0:fwd",)], bf16[("256:16384:0:fwd",)]]
+    assert [float(g) for g in m.groups()[:4]] == [round(g, 1) for g in figures]
+    q = np.zeros((1, 64, 2, 256), np.float16)
+    strided = _launch.sm90_fwd_strided
+    assert strided(_spec.CallSpec.of(q, causal=False, softcap=5.0), None)
+    assert not strided(_spec.CallSpec.of(q, causal=True), None)
+    assert not strided(_spec.CallSpec.of(q, causal=False, window_size=(64, 0)), None)
+    assert not strided(_spec.CallSpec.of(q[..., :128], causal=False), None)
+    assert not strided(dataclasses.replace(_spec.CallSpec.of(q, causal=False), seq=_spec.SEQ_PACKED), None)
