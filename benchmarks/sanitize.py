@@ -161,9 +161,11 @@ CASES = (
     # takes several.
     Case("bf16", 130, 97, 64, False, nheads=70, nheads_k=10),
     Case("fp16", 200, 130, 128, True, nheads=68, nheads_k=17),
-    # Above head dim 128 (strided blocks): tiles of several key blocks, and of one.
+    # Above head dim 128 (strided blocks): tiles of several key blocks, and of one; under a
+    # window, tiles that see no key before tiles of one and two.
     Case("bf16", 300, 257, 256, False, nheads=70, nheads_k=10),
     Case("fp16", 200, 60, 192, False, nheads=140, nheads_k=35),
+    Case("fp16", 300, 100, 256, False, nheads=140, nheads_k=35, window=(10, 0)),
     Case("bf16", 257, 300, 192, False),
     Case("fp16", 200, 200, 224, True),
     # Block-sparse (block rows and columns that see nothing where there are three or more).

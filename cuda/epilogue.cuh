@@ -142,6 +142,29 @@ __device__ __forceinline__ void fwd_stage_swizzled(const FwdParams& p, const Seq
         }
 }
 
+// The forward's O = acc / l and lse of the warp's two rows from row (row pairs of the
+// accumulators' layout, 4-byte stores; columns past p.headdim and rows past the sequence's end
+// skipped) straight to memory, without a stage: for a tile without key blocks in the Hopper
+// forward above head dim 128, whose stages are its blocks' V buffers.
+template <typename Elem, int DT, typename Seq>
+__device__ __forceinline__ void fwd_store_rows(const FwdParams& p, const Seq& seq, int h, int row, int lane,
+                                               const float (&acc)[1][DT][4], const float (&inv_l)[2],
+                                               const float (&lse)[2]) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int r = row + lane / 4 + 8 * hf;
+        if (r < 0 || r >= seq.seqlen_q()) continue;
+        u16* out = seq.template q_row<u16>(p.o, h, r);
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            const int c = 8 * dt + 2 * (lane % 4);
+            if (c < p.headdim)
+                *reinterpret_cast<u32*>(out + c) = pack2<Elem>(acc[0][dt][2 * hf] * inv_l[hf], acc[0][dt][2 * hf + 1] * inv_l[hf]);
+        }
+        if (lane % 4 == 0) static_cast<float*>(p.lse)[seq.stat(h, r)] = lse[hf];
+    }
+}
+
 // The dK/dV pass: dK = scale * dk and dV = dv of the warp's keys from key0 and head-dim
 // columns from col, for the key block at col0 of kv head hk, staged in sK and sV.
 template <typename Elem, int Bc, int HeadDim, int Threads, int KM, int DN, typename Seq>

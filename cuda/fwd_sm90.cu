@@ -25,9 +25,10 @@
 //   may see fewer of the tile's key blocks than its last row does: it stops its products
 //   there and only passes its turns (OwnWalk).
 //   O leaves through shared memory and a bulk tensor store: a stage of its own where shared
-//   memory allows (HeadDim <= 128, where the next tile's copies are landing), else a V buffer
-//   that the tile's products have done with, so that Q's buffer is free after the tile's last
-//   S = Q K^T and the next tile's Q lands under its last products.
+//   memory allows (HeadDim <= 128, where the next tile's copies are landing); above, in a
+//   block that takes several tiles, a V buffer that the tile's products have done with, so
+//   that Q's buffer is free after the tile's last S = Q K^T and the next tile's Q lands under
+//   its last products; else the warpgroup's Q tile.
 // HeadDim is the head dim rounded up to a multiple of 64: the copy engine fills the columns
 // past the real one with zeros, and the epilogue stores only the real ones.
 #include "common.cuh"
@@ -62,21 +63,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     constexpr int Halves = HeadDim / 64;   // 64-column sub-tiles of a row block (one swizzle atom wide)
     constexpr int SubQ = 64 * 64, SubKV = Bc * 64;
     constexpr int NT = Bc / 8, DT = HeadDim / 8;
-    constexpr bool OwnStage = HeadDim <= 128;   // O's stage beside Q, K and V (else in a V buffer)
+    constexpr bool OwnStage = HeadDim <= 128;   // O's stage beside Q, K and V
     // Persistent where the producer's 40 registers leave the consumers enough: at HeadDim > 128
     // (O alone takes 128 of a consumer's registers) each block takes one tile and the producer,
     // with no counter to draw from, fits in 24.
     // Three consumers share 65536 registers with the producer: 160 each, 32 for it.
     constexpr bool Persistent = HeadDim <= 128;
-    // Above it, kernels whose tiles all take alike long (no band, no packed rows, no mask_mod)
-    // are persistent with a static stride, which takes no register of the producer's 24: block
-    // b takes tiles b, b + gridDim.x, ..., so that its next tile's Q lands under this tile's
-    // last products and its epilogue, not after a new block's launch (4% faster at 2K; with O
-    // staged in Q's buffer, whose next copy then waited for O's store, even;
-    // benchmarks/NOTES.md). The host launches one block per tile where a block mask's lists
-    // make tiles unequal, and must launch that many wherever this is false
-    // (_launch.sm90_fwd_strided).
-    constexpr bool Strided = !Persistent && !V::Band && !V::Varlen && !V::UserMask;
     constexpr int ProducerRegs = Groups == 3 ? 32 : Persistent ? 40 : 24;
     constexpr int ConsumerRegs = Groups == 3 ? 160 : Persistent ? 232 : 240;
     // The softmax's maxima settle (softmax.cuh) where two consumers take turns: plain, capped
@@ -96,6 +88,20 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // softmax (3.5-3.9% faster). At 64 and 128 the running max stays: there the fixed base
     // with these sums measured 10% slower at 64 and even at 128 (benchmarks/NOTES.md).
     constexpr bool OnesSum = HeadDim > 128 && same_type<Elem, bf16> && ScoreMod<V, FwdParams>::capped_alone();
+    // Above 128, kernels whose tiles take about alike long (not causal, no packed rows, no
+    // mask_mod) are persistent with a static stride, which takes no register of the
+    // producer's 24: block b takes tiles b, b + gridDim.x, ..., so that its next tile's Q lands
+    // under this tile's last products and its epilogue, not after a new block's launch (4%
+    // faster at 2K; with O staged in Q's buffer, whose next copy then waited for O's store,
+    // even; benchmarks/NOTES.md). Not a window with OnesSum: that kernel spilled 12 bytes
+    // strided (NVRTC 13.0). The host launches one block per tile where a block mask's lists
+    // make tiles unequal, and must launch that many wherever this is false
+    // (_launch.sm90_fwd_strided).
+    constexpr bool Strided = !Persistent && !V::Causal && !V::Varlen && !V::UserMask && !(V::Local && OnesSum);
+    // Where a block takes several tiles without a stage of its own, O is staged in a V buffer
+    // (the epilogue's) so that Q's buffer frees after the tile's last S = Q K^T; a block of
+    // one tile stages it in Q's.
+    constexpr bool VStaged = Strided;
     // The descriptors' two words joined (sm90.cuh) but at head dim 128.
     constexpr bool JoinedDesc = HeadDim != 128;
     // ALiBi's bias (ScoreMod::positional) is written into S's accumulators before Q K^T is
@@ -146,14 +152,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
     u16* sK = sQ + QBufs * QTile;
     u16* sV = sK + Stages * Halves * SubKV;
-    u16* sO = sV + Stages * Halves * SubKV;   // OwnStage's
-    // Not OwnStage: o_free[wg][t % 2] completes once warpgroup wg's store of tile t (its t-th)
-    // has read O from the V buffer it was staged in (one barrier per tile parity, so that no
-    // wait can fall a whole phase behind: a warpgroup stores tile t + 2 only after the
-    // producer's copies for it, which wait for tile t's).
+    u16* sO = OwnStage ? sV + Stages * Halves * SubKV : sQ;   // VStaged: per tile, in V
+    // VStaged: o_free[wg][s % 2] completes once warpgroup wg's store of the s-th tile with
+    // key blocks has read O from the V buffer it was staged in (a tile without blocks stores
+    // O straight from the registers). One barrier per parity, so that no wait can fall a whole
+    // phase behind: a warpgroup stores tile s + 2 only after the producer's copies for it,
+    // which wait for tile s's.
     __shared__ unsigned long long o_free[2][2];
-    auto o_stored = [&](int wg, int t) {
-        if (t >= 0) mbar_wait(&o_free[wg][t % 2], (t / 2) & 1);
+    auto o_stored = [&](int wg, int s) {
+        if (s >= 0) mbar_wait(&o_free[wg][s % 2], (s / 2) & 1);
     };
 
     // Tile w of the grid; causal, and in the launch groups of a mask_mod's block mask whose later
@@ -201,7 +208,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             mbar_init(&k_empty[s], Consumers / 32);
             mbar_init(&v_empty[s], Consumers / 32);
         }
-        if (!OwnStage)
+        if (VStaged)
             for (int b = 0; b < 4; ++b) mbar_init(&o_free[b / 2][b % 2], 1);
         mbar_fence_init();
     }
@@ -227,7 +234,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                    : Strided  ? w + static_cast<int>(gridDim.x)
                               : n_work;
         };
-        for (int w = blockIdx.x, t = 0, g = 0;; ++t) {
+        for (int w = blockIdx.x, t = 0, g = 0, staged = 0;; ++t) {
             while (w < n_work && idle(w)) w = next_tile(w);
             const int qb = t % QBufs;
             if (t >= QBufs) mbar_wait(&q_empty[qb], (t / QBufs - 1) & 1);
@@ -264,15 +271,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                     tma_load_4d(sK + (buf * Halves + c) * SubKV, tp.k, 64 * c, hk, seq.k_map_row(n0),
                                 seq.map_batch(), &k_full[buf]);
                 if (g >= Stages) mbar_wait(&v_empty[buf], reuse);
-                // Not OwnStage, a tile's first V goes where warpgroup 0 of the tile before staged
+                // VStaged, a tile's first V goes where warpgroup 0 of the tile before staged
                 // O (and where warpgroup 1 of the one before that did, if that tile had one
                 // block), its second where warpgroup 1 of the tile before did.
-                if constexpr (!OwnStage) {
+                if constexpr (VStaged) {
                     if (it == 0) {
-                        o_stored(0, t - 1);
-                        o_stored(1, t - 2);
+                        o_stored(0, staged - 1);
+                        o_stored(1, staged - 2);
                     } else if (it == 1) {
-                        o_stored(1, t - 1);
+                        o_stored(1, staged - 1);
                     }
                 }
                 mbar_expect_bytes(&v_full[buf], Halves * SubKV * 2);
@@ -280,6 +287,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                     tma_load_4d(sV + (buf * Halves + c) * SubKV, tp.v, 64 * c, hk, seq.k_map_row(n0),
                                 seq.map_batch(), &v_full[buf]);
             }
+            staged += kb.count > 0;
         }
     }
     setmaxnreg_inc<ConsumerRegs>();
@@ -363,7 +371,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
 
     const bool store_thread = threadIdx.x % 128 == 0;   // issues its warpgroup's stores of O
     u16* myO = sO + wg * Halves * SubQ;
-    for (int t = 0, g = 0;; ++t) {
+    for (int t = 0, g = 0, staged = 0;; ++t) {
         qb = t % QBufs;
         myQ = sQ + qb * QTile + wg * Halves * SubQ;
         mbar_wait(&q_full[qb], (t / QBufs) & 1);
@@ -434,7 +442,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // S of block `it` is done with: its K buffer is free, and after the last, Q's.
         auto scores_done = [&](int it) {
             release(&k_empty[(g + it) % Stages]);
-            if (it == own - 1) release_q();
+            if ((OwnStage || VStaged) && it == own - 1) release_q();
         };
         // S of block `it` has landed (where the softmax speculates, K and Q are kept until its
         // step).
@@ -528,24 +536,32 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 release(&k_empty[landed(k_full, g + it)]);
                 release(&v_empty[landed(v_full, g + it)]);
             }
-        } else {
+        } else if (OwnStage || VStaged) {
             release_q();
         }
         g += kb.count;
 
         // O through the warpgroup's stage (barrier 2 + Groups + wg: its 128 threads) to a bulk
-        // store.
+        // store. VStaged, a tile without key blocks (a window's rows that see no key) stores
+        // O = 0 and lse = -inf from the registers instead: it has no V buffer of its own.
         const int own_bar = 2 + Groups + wg;
-        if constexpr (!OwnStage) {
+        if (VStaged && kb.count == 0) {
+            float inv_l[2], lse[2];
+            softmax.template finalize<true>(mod.mult(), inv_l, lse);
+            fwd_store_rows<Elem>(p, seq, h, row0 + wrow, lane, acc, inv_l, lse);
+            continue;
+        }
+        if constexpr (VStaged) {
             // The V buffer of the tile's last block (warpgroup 1, the last to read it) or of the
             // one before (warpgroup 0), once both warpgroups' products have read it. In a tile
-            // of one block, the one before is the last tile's last, where warpgroup 1 staged.
+            // of one block, the one before is the last block of the tile before with blocks,
+            // where warpgroup 1 staged.
             const int x = g - 2 + wg;
             myO = sV + (x + Stages) % Stages * Halves * SubKV;
             if (x >= 0) mbar_wait(&v_empty[x % Stages], (x / Stages) & 1);
-            if (wg == 0 && kb.count == 1) o_stored(1, t - 1);
+            if (wg == 0 && kb.count == 1) o_stored(1, staged - 1);
         }
-        if (store_thread) bulk_wait_read<0>();   // the last tile's store has read it
+        if ((OwnStage || VStaged) && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
         named_bar_sync(own_bar, 128);
         // Rows all before row 0 (EndAligned) store nothing.
         const int my_row0 = row0 + 64 * wg;
@@ -565,17 +581,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 for (int c = 0; c < Halves; ++c)
                     tma_store_4d(tp.o, 64 * c, h, seq.q_map_row(my_row0), seq.map_batch(), myO + c * SubQ);
                 bulk_commit();
+                if (!OwnStage && !VStaged) bulk_wait_read<0>();
             }
         } else if (stored) {
             copy_stage_rows<Halves, 128>(myO, seq.template q_row<u16>(p.o, h, my_row0), p.o.row_stride,
                                          seq.seqlen_q() - my_row0, p.headdim, threadIdx.x % 128);
         }
-        if (!OwnStage) {
+        if (VStaged) {
             named_bar_sync(own_bar, 128);   // every thread's reads of the stage (copy_stage_rows)
             if (store_thread) {
                 bulk_wait_read<0>();
-                mbar_arrive(&o_free[wg][t % 2]);
+                mbar_arrive(&o_free[wg][staged % 2]);
             }
+            ++staged;
+        } else if (!OwnStage) {
+            named_bar_sync(own_bar, 128);   // the store has read Q's tile: the next Q may land
+            release_q();
         }
     }
     if (store_thread) bulk_wait<0>();

@@ -1065,12 +1065,21 @@ def sm90_fwd_l2_part(hd):
     return 2 if hd > 128 else 1
 
 
-def sm90_fwd_strided(spec, block_mask):
+def sm90_fwd_strided(spec, block_mask, seqlen_k):
     """Whether the Hopper forward above head dim 128 runs persistent blocks with a static
-    stride (cuda/fwd_sm90.cu's ``Strided``): calls whose tiles all take alike long, without a
-    band, packed rows, a mask_mod or a block mask (whose lists make tiles unequal: one block a
-    tile there)."""
-    return (sm90_headdim(spec.headdim) > 128 and spec.window == _spec.NO_WINDOW and not spec.varlen
+    stride (cuda/fwd_sm90.cu's ``Strided``): calls whose tiles take about alike long, not
+    causal, without packed rows, a mask_mod or a block mask (whose lists make tiles unequal:
+    one block a tile there). A window only where both its sides are bounded and span at most
+    an eighth of the keys: the tiles along its ramps see fewer keys, and a stride of the SM
+    count can hand one block only long tiles (window (4096, 0) at 8K ran 15% slower strided,
+    (1024, 0) 3.0% faster; H200, benchmarks/NOTES.md). Not a bf16 window with softcap alone
+    (the kernel whose tensor cores sum P, ``OnesSum``, spilled strided under NVRTC 13.0)."""
+    if spec.local:
+        left, right = spec.window
+        ones_sum = spec.dtype == "bfloat16" and spec.softcap > 0 and not spec.alibi and not spec.score_mod
+        if left < 0 or right < 0 or 8 * (left + right) > seqlen_k or ones_sum:
+            return False
+    return (sm90_headdim(spec.headdim) > 128 and not spec.causal and not spec.varlen
             and not spec.mask_mod and block_mask is None)
 
 
@@ -1111,7 +1120,7 @@ def _forward_sm90(p, q, k, v, out, spec, block_mask, packed=None):
     if hd <= 128:
         counter = zeros((), np.int32)
         tp["counter"] = counter.data.ptr
-    if hd <= 128 or sm90_fwd_strided(spec, block_mask):
+    if hd <= 128 or sm90_fwd_strided(spec, block_mask, sk):
         blocks = min(blocks, _sm_count())
     name = _sm90_fwd_name(spec, hd, groups, keys)
     _launch("fwd_sm90.cu", name, (blocks, 1, 1), 128 * (groups + 1), sm90_fwd_smem(hd, groups, keys),

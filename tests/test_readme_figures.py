@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from cupyflash import _launch, masks
@@ -861,10 +862,21 @@ def test_readme_wide_strided_forward_gains_are_the_cited_run():
     bf16, fp16 = (_tree_gains(p, "new") for p in m.groups()[4:])
     figures = [bf16[("256:2048:0:fwd",)], fp16[("256:2048:0:fwd",)], bf16[("192:2048:0:fwd",)], bf16[("256:16384:0:fwd",)]]
     assert [float(g) for g in m.groups()[:4]] == [round(g, 1) for g in figures]
+    m = re.search(r"window \(1024, 0\) at d=256 ([-+][\d.]+)% at 8K and ([-+][\d.]+)% at 32K, where \(4096, 0\) at 8K "
+                  r"ran ([\d.]+)% slower strided \(`(benchmarks/results/[^`]+\.json)`\)", text)
+    windows = _tree_gains(m.group(4), "new")
+    cells = ("256:8192:0:fwd:window", "256:32768:0:fwd:window", "256:8192:0:fwd:window_4096_0")
+    assert [float(g) for g in m.groups()[:3]] == [round(windows[(c,)], 1) * (-1 if "4096" in c else 1) for c in cells]
     q = np.zeros((1, 64, 2, 256), np.float16)
     strided = _launch.sm90_fwd_strided
-    assert strided(_spec.CallSpec.of(q, causal=False, softcap=5.0), None)
-    assert not strided(_spec.CallSpec.of(q, causal=True), None)
-    assert not strided(_spec.CallSpec.of(q, causal=False, window_size=(64, 0)), None)
-    assert not strided(_spec.CallSpec.of(q[..., :128], causal=False), None)
-    assert not strided(dataclasses.replace(_spec.CallSpec.of(q, causal=False), seq=_spec.SEQ_PACKED), None)
+    assert strided(_spec.CallSpec.of(q, causal=False, softcap=5.0), None, 8192)
+    assert not strided(_spec.CallSpec.of(q, causal=True), None, 8192)
+    assert strided(_spec.CallSpec.of(q, causal=False, window_size=(1024, 0)), None, 8192)
+    assert not strided(_spec.CallSpec.of(q, causal=False, window_size=(4096, 0)), None, 8192)
+    assert not strided(_spec.CallSpec.of(q, causal=False, window_size=(-1, 64)), None, 8192)
+    bf16 = q.astype(ml_dtypes.bfloat16)
+    assert not strided(_spec.CallSpec.of(bf16, causal=False, window_size=(64, 0), softcap=5.0), None, 8192)
+    assert strided(_spec.CallSpec.of(bf16, causal=False, window_size=(64, 0), softcap=5.0,
+                                     alibi_slopes=np.ones(2, np.float32)), None, 8192)
+    assert not strided(_spec.CallSpec.of(q[..., :128], causal=False), None, 8192)
+    assert not strided(dataclasses.replace(_spec.CallSpec.of(q, causal=False), seq=_spec.SEQ_PACKED), None, 8192)

@@ -236,14 +236,17 @@ SM90_CASES = [
     # phases running on across tiles.
     (3, 300, 257, 60, 20, 128, dict(causal=True)),
     (2, 257, 130, 120, 40, 64, {}),
-    # Above head dim 128, more tiles than SMs: a block each where there is a band, else
-    # blocks that take several, O staged in V's buffers, in tiles of four, five, one and two
-    # key blocks.
+    # Above head dim 128, more tiles than SMs: a block each in causal calls, else blocks that
+    # take several, O staged in V's buffers, in tiles of four, five, one and two key blocks,
+    # and under a window tiles whose rows see no key (O from the registers) before tiles of
+    # one and two.
     (2, 300, 257, 70, 10, 256, {}),
     (1, 257, 300, 140, 140, 192, dict(softcap=3.0, alibi=True)),
     (1, 200, 60, 140, 35, 192, {}),
     (2, 130, 150, 70, 10, 256, dict(softcap=3.0)),
     (1, 300, 200, 70, 70, 256, dict(causal=True)),
+    (1, 300, 100, 140, 35, 256, dict(window_size=(10, 0))),
+    (2, 400, 700, 70, 10, 192, dict(window_size=(50, 20), softcap=3.0)),
 ] + _end_aligned_cases()
 
 
