@@ -271,9 +271,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                     tma_load_4d(sK + (buf * Halves + c) * SubKV, tp.k, 64 * c, hk, seq.k_map_row(n0),
                                 seq.map_batch(), &k_full[buf]);
                 if (g >= Stages) mbar_wait(&v_empty[buf], reuse);
-                // VStaged, a tile's first V goes where warpgroup 0 of the tile before staged
-                // O (and where warpgroup 1 of the one before that did, if that tile had one
-                // block), its second where warpgroup 1 of the tile before did.
+                // VStaged, counting tiles with key blocks: a tile's first V goes where warpgroup 0
+                // of the tile before staged O (and where warpgroup 1 of the one before that did,
+                // if that tile had one block), its second where warpgroup 1 of the tile before did.
                 if constexpr (VStaged) {
                     if (it == 0) {
                         o_stored(0, staged - 1);
@@ -587,8 +587,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             copy_stage_rows<Halves, 128>(myO, seq.template q_row<u16>(p.o, h, my_row0), p.o.row_stride,
                                          seq.seqlen_q() - my_row0, p.headdim, threadIdx.x % 128);
         }
-        if (VStaged) {
-            named_bar_sync(own_bar, 128);   // every thread's reads of the stage (copy_stage_rows)
+        if (VStaged) {   // dense rows: the bulk store is the stage's only reader
             if (store_thread) {
                 bulk_wait_read<0>();
                 mbar_arrive(&o_free[wg][staged % 2]);
