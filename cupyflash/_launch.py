@@ -1071,8 +1071,8 @@ def sm90_fwd_strided(spec, block_mask, seqlen_k):
     causal, without packed rows, a mask_mod or a block mask (whose lists make tiles unequal:
     one block a tile there). A window only where both its sides are bounded and span at most
     an eighth of the keys: the tiles along its ramps see fewer keys, and a stride of the SM
-    count can hand one block only long tiles (window (4096, 0) at 8K ran 15% slower strided,
-    (1024, 0) 3.0% faster; H200, benchmarks/NOTES.md). Not a bf16 window with softcap alone
+    count can hand one block only long tiles (window (4096, 0) at 8K ran 14.9% slower strided,
+    (1024, 0) 3.1% faster; H200, benchmarks/NOTES.md). Not a bf16 window with softcap alone
     (the kernel whose tensor cores sum P, ``OnesSum``, spilled strided under NVRTC 13.0)."""
     if spec.local:
         left, right = spec.window
