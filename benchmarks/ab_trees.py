@@ -20,7 +20,8 @@ bench_decode.py's shapes as it does (CUDA graph replays), in microseconds. A cel
 varlen:causal(0/1):pass(fwd/bwd):check[:rule[:headdim]] (checked: the offsets read, maximums
 found there; max: read, maximums given; unchecked: check_offsets=False; a rule as above; a head
 dim other than 128 with 2048 / headdim heads) times bench_varlen.py's packed batch eagerly,
-LOOP calls back to back between two events (the median over ``--calls`` loops), in ms per call: what a loop of such calls costs, host work included. ``--peer`` adds cuDNN
+LOOP calls back to back between two events (the median over ``--calls`` loops), in ms per
+call: what a loop of such calls costs, host work included. ``--peer`` adds cuDNN
 SDPA's rows once, in the first tree's first rep (dense cells). The table gives TFLOP/s
 (decode: us, varlen: ms) per rep for each tree; untracked trees in the repository root
 travel to the device machine with the working tree.

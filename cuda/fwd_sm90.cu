@@ -98,10 +98,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     // make tiles unequal, and must launch that many wherever this is false
     // (_launch.sm90_fwd_strided).
     constexpr bool Strided = !Persistent && !V::Causal && !V::Varlen && !V::UserMask && !(V::Local && OnesSum);
-    // Where a block takes several tiles without a stage of its own, O is staged in a V buffer
-    // (the epilogue's) so that Q's buffer frees after the tile's last S = Q K^T; a block of
-    // one tile stages it in Q's.
-    constexpr bool VStaged = Strided;
+    // O is staged in Q's buffer only above 128 in a block of one tile: a strided block stages
+    // it in a V buffer (the epilogue's), so that Q's buffer frees after the tile's last S = Q K^T.
+    constexpr bool StageInQ = !OwnStage && !Strided;
     // The descriptors' two words joined (sm90.cuh) but at head dim 128.
     constexpr bool JoinedDesc = HeadDim != 128;
     // ALiBi's bias (ScoreMod::positional) is written into S's accumulators before Q K^T is
@@ -152,8 +151,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024);
     u16* sK = sQ + QBufs * QTile;
     u16* sV = sK + Stages * Halves * SubKV;
-    u16* sO = OwnStage ? sV + Stages * Halves * SubKV : sQ;   // VStaged: per tile, in V
-    // VStaged: o_free[wg][s % 2] completes once warpgroup wg's store of the s-th tile with
+    u16* sO = OwnStage ? sV + Stages * Halves * SubKV : sQ;   // Strided: per tile, in V
+    // Strided: o_free[wg][s % 2] completes once warpgroup wg's store of the s-th tile with
     // key blocks has read O from the V buffer it was staged in (a tile without blocks stores
     // O straight from the registers). One barrier per parity, so that no wait can fall a whole
     // phase behind: a warpgroup stores tile s + 2 only after the producer's copies for it,
@@ -208,7 +207,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             mbar_init(&k_empty[s], Consumers / 32);
             mbar_init(&v_empty[s], Consumers / 32);
         }
-        if (VStaged)
+        if (Strided)
             for (int b = 0; b < 4; ++b) mbar_init(&o_free[b / 2][b % 2], 1);
         mbar_fence_init();
     }
@@ -271,10 +270,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                     tma_load_4d(sK + (buf * Halves + c) * SubKV, tp.k, 64 * c, hk, seq.k_map_row(n0),
                                 seq.map_batch(), &k_full[buf]);
                 if (g >= Stages) mbar_wait(&v_empty[buf], reuse);
-                // VStaged, counting tiles with key blocks: a tile's first V goes where warpgroup 0
+                // Strided, counting tiles with key blocks: a tile's first V goes where warpgroup 0
                 // of the tile before staged O (and where warpgroup 1 of the one before that did,
                 // if that tile had one block), its second where warpgroup 1 of the tile before did.
-                if constexpr (VStaged) {
+                if constexpr (Strided) {
                     if (it == 0) {
                         o_stored(0, staged - 1);
                         o_stored(1, staged - 2);
@@ -442,7 +441,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
         // S of block `it` is done with: its K buffer is free, and after the last, Q's.
         auto scores_done = [&](int it) {
             release(&k_empty[(g + it) % Stages]);
-            if ((OwnStage || VStaged) && it == own - 1) release_q();
+            if (!StageInQ && it == own - 1) release_q();
         };
         // S of block `it` has landed (where the softmax speculates, K and Q are kept until its
         // step).
@@ -536,22 +535,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 release(&k_empty[landed(k_full, g + it)]);
                 release(&v_empty[landed(v_full, g + it)]);
             }
-        } else if (OwnStage || VStaged) {
+        } else if (!StageInQ) {
             release_q();
         }
         g += kb.count;
 
         // O through the warpgroup's stage (barrier 2 + Groups + wg: its 128 threads) to a bulk
-        // store. VStaged, a tile without key blocks (a window's rows that see no key) stores
+        // store. Strided, a tile without key blocks (a window's rows that see no key) stores
         // O = 0 and lse = -inf from the registers instead: it has no V buffer of its own.
         const int own_bar = 2 + Groups + wg;
-        if (VStaged && kb.count == 0) {
+        if (Strided && kb.count == 0) {
             float inv_l[2], lse[2];
             softmax.template finalize<true>(mod.mult(), inv_l, lse);
             fwd_store_rows<Elem>(p, seq, h, row0 + wrow, lane, acc, inv_l, lse);
             continue;
         }
-        if constexpr (VStaged) {
+        if constexpr (Strided) {
             // The V buffer of the tile's last block (warpgroup 1, the last to read it) or of the
             // one before (warpgroup 0), once both warpgroups' products have read it. In a tile
             // of one block, the one before is the last block of the tile before with blocks,
@@ -561,7 +560,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
             if (x >= 0) mbar_wait(&v_empty[x % Stages], (x / Stages) & 1);
             if (wg == 0 && kb.count == 1) o_stored(1, staged - 1);
         }
-        if ((OwnStage || VStaged) && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
+        if (!StageInQ && store_thread) bulk_wait_read<0>();   // the last tile's store has read it
         named_bar_sync(own_bar, 128);
         // Rows all before row 0 (EndAligned) store nothing.
         const int my_row0 = row0 + 64 * wg;
@@ -581,19 +580,19 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params tp) {
                 for (int c = 0; c < Halves; ++c)
                     tma_store_4d(tp.o, 64 * c, h, seq.q_map_row(my_row0), seq.map_batch(), myO + c * SubQ);
                 bulk_commit();
-                if (!OwnStage && !VStaged) bulk_wait_read<0>();
+                if (StageInQ) bulk_wait_read<0>();
             }
         } else if (stored) {
             copy_stage_rows<Halves, 128>(myO, seq.template q_row<u16>(p.o, h, my_row0), p.o.row_stride,
                                          seq.seqlen_q() - my_row0, p.headdim, threadIdx.x % 128);
         }
-        if (VStaged) {   // dense rows: the bulk store is the stage's only reader
+        if (Strided) {   // dense rows: the bulk store is the stage's only reader
             if (store_thread) {
                 bulk_wait_read<0>();
                 mbar_arrive(&o_free[wg][staged % 2]);
             }
             ++staged;
-        } else if (!OwnStage) {
+        } else if (StageInQ) {
             named_bar_sync(own_bar, 128);   // the store has read Q's tile: the next Q may land
             release_q();
         }

@@ -138,6 +138,13 @@ def _dims(q, k, layout):
     return layout.batch, layout.max_seqlen_q, layout.max_seqlen_k
 
 
+def _softcap_alone_bf16(spec):
+    """A bf16 call whose score modifier is softcap alone (no ALiBi, no user score_mod):
+    cuda/score_mod.cuh's ``capped_alone`` in bf16, the kernels' ``OnesSum`` above head dim 128
+    (cuda/fwd_sm90.cu)."""
+    return spec.softcap > 0 and spec.dtype == "bfloat16" and not (spec.alibi or spec.score_mod)
+
+
 def bounded_scores(spec):
     """Whether the call's scores let the kernels' softmax keep the fixed base 0 instead of a
     running max (cuda/score_mod.cuh, ScoreMod::bounded; the Hopper forward takes it above head
@@ -145,8 +152,7 @@ def bounded_scores(spec):
     p = exp2(t * softcap * log2(e)) then spans 2^-m .. 2^m with m = softcap * log2(e). bf16's
     P (8 exponent bits) and the fp32 sums hold that with room while m <= BOUNDED_LOG2: a row's
     largest p is at least 2^-64, its sum at most seqlen_k * 2^64. fp16's P (5 bits) would not."""
-    return (spec.softcap > 0 and spec.dtype == "bfloat16" and not (spec.alibi or spec.score_mod)
-            and spec.softcap * _config.LOG2E <= BOUNDED_LOG2)
+    return _softcap_alone_bf16(spec) and spec.softcap * _config.LOG2E <= BOUNDED_LOG2
 
 
 def _fill_dims(p, q, k, scale, spec, alibi_slopes, dropout, layout=None):
@@ -777,7 +783,7 @@ def sm90_fwd_call_tile(spec, block_mask):
     hd = sm90_headdim(spec.headdim)
     if (groups == 3 or keys == 80) and spec.score_mod and (mods.reads_table(spec.user_mods) or _short_of_registers(
             "fwd_sm90.cu", spec, _sm90_fwd_name(spec, hd, groups, keys))):
-        groups, keys = 2, sm90_fwd_keys(spec, "mask") if keys == 80 else keys
+        groups, keys = 2, 64 if keys == 80 else keys
     return groups, keys
 
 
@@ -1076,8 +1082,7 @@ def sm90_fwd_strided(spec, block_mask, seqlen_k):
     (the kernel whose tensor cores sum P, ``OnesSum``, spilled strided under NVRTC 13.0)."""
     if spec.local:
         left, right = spec.window
-        ones_sum = spec.dtype == "bfloat16" and spec.softcap > 0 and not spec.alibi and not spec.score_mod
-        if left < 0 or right < 0 or 8 * (left + right) > seqlen_k or ones_sum:
+        if left < 0 or right < 0 or 8 * (left + right) > seqlen_k or _softcap_alone_bf16(spec):
             return False
     return (sm90_headdim(spec.headdim) > 128 and not spec.causal and not spec.varlen
             and not spec.mask_mod and block_mask is None)

@@ -110,6 +110,8 @@ def test_readme_hopper_target_count_is_the_cited_run():
     t, e = _tflops(path), _tflops(earlier)
     rise = [100 * (t[("sdpa_cudnn",) + k] / e[("sdpa_cudnn",) + k] - 1) for k in short]
     assert _spread(rise, ".1f") == re.search(r"cuDNN's rows? for (?:them|it) read ([\d.]+(?:-[\d.]+)?)% lower", text).group(1)
+    ours = [100 * (e[("cupyflash",) + k] / t[("cupyflash",) + k] - 1) for k in short]
+    assert _spread(ours, ".1f") == re.search(r"% lower there \(ours ([\d.]+(?:-[\d.]+)?)% higher\)", text).group(1)
     closest = re.search(r"closest passing cells: (.*?)\.\n", text, re.S).group(1)
     named = _cells(closest)
     margins = sorted((r / target[k], k) for k, r in ratios.items() if r >= target[k])
@@ -862,6 +864,10 @@ def test_readme_wide_strided_forward_gains_are_the_cited_run():
     bf16, fp16 = (_tree_gains(p, "new") for p in m.groups()[4:])
     figures = [bf16[("256:2048:0:fwd",)], fp16[("256:2048:0:fwd",)], bf16[("192:2048:0:fwd",)], bf16[("256:16384:0:fwd",)]]
     assert [float(g) for g in m.groups()[:4]] == [round(g, 1) for g in figures]
+    m = re.search(r"with O staged in Q's buffer the same blocks measured ([-+][\d.]+)% to ([-+][\d.]+)% at d=256 2K-16K "
+                  r"\(`(benchmarks/results/[^`]+\.json)`\)", text)
+    in_q = [g for (cell,), g in _tree_gains(m.group(3), "new").items() if re.fullmatch(r"256:\d+:0:fwd", cell)]
+    assert len(in_q) == 4 and [float(g) for g in m.groups()[:2]] == [round(min(in_q), 1), round(max(in_q), 1)]
     m = re.search(r"window \(1024, 0\) at d=256 ([-+][\d.]+)% at 8K and ([-+][\d.]+)% at 32K, where \(4096, 0\) at 8K "
                   r"ran ([\d.]+)% slower strided \(`(benchmarks/results/[^`]+\.json)`\)", text)
     windows = _tree_gains(m.group(4), "new")
