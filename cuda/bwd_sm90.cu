@@ -851,6 +851,12 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     constexpr bool BiasFirst = ScoreMod<V, BwdParams>::positional();
     // A user mask_mod's verdicts on the step made while its products run, as in the kernel above.
     constexpr bool EarlyVerdicts = V::UserMask;
+    // The step before's Q and dO are released after this step's probabilities, not right
+    // behind its S^T and dP^T products: the wait there for the last dQ add's read of its stage
+    // (issued at that step's end) outlasted the products (9% of the kernel's stall samples,
+    // ncu), where later the read is done and the producer's copies still land in time: 4-6%
+    // faster, causal 3-4.5%. Not in windows, 1.7% slower so (benchmarks/NOTES.md).
+    constexpr bool LateRelease = !V::Local;
     static_assert(!V::Dropout, "dropout runs the generic backward");
     const BwdParams& p = tp.base;
 
@@ -924,8 +930,9 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         if constexpr (EarlyVerdicts)
             if (masked) hidden = user_hidden_bits<true, 1, NT>(mask, col0 + key_w, m0 + q_w, lane);
         // The step before's Q and dO go back to the producer once the warp's adds from them
-        // (the dQ stages) have read them: waited for here, behind this step's products.
-        if (g > 0) {
+        // (the dQ stages) have read them: here behind this step's products, or (LateRelease)
+        // after its probabilities.
+        if (!LateRelease && g > 0) {
             if (lane == 0) bulk_wait_read<0>();
             __syncwarp();
             mbar_arrive(&bar.qd_empty[(g - 1) % Stages]);
@@ -961,6 +968,11 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
             wgmma_fence_operands(dpt_flat);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) dscores_t(st, dpt, nt, d_of, to_dst);
+        }
+        if (LateRelease && g > 0) {
+            if (lane == 0) bulk_wait_read<0>();
+            __syncwarp();
+            mbar_arrive(&bar.qd_empty[(g - 1) % Stages]);
         }
         // dV += P^T dO and dK += dS^T Q for the warpgroup's columns (sub-tiles 2 wg and 2 wg + 1,
         // one m64n128 product: P^T and dS^T read once per k16 step), over the queries of half
