@@ -854,8 +854,8 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     // The step before's Q and dO are released after this step's probabilities, not right
     // behind its S^T and dP^T products: the wait there for the last dQ add's read of its stage
     // (issued at that step's end) outlasted the products (9% of the kernel's stall samples,
-    // ncu), where later the read is done and the producer's copies still land in time: 4-6%
-    // faster, causal 3-4.5%. Not in windows, 1.7% slower so (benchmarks/NOTES.md).
+    // ncu), where later the read is done and the producer's copies still land in time: 5-6%
+    // faster, causal 3-5%. Not in windows, 1.6% slower so (benchmarks/NOTES.md).
     constexpr bool LateRelease = !V::Local;
     static_assert(!V::Dropout, "dropout runs the generic backward");
     const BwdParams& p = tp.base;
