@@ -316,14 +316,21 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
     }
 }
 
+// Returns once the warp's bulk adds but the last Pending have read their shared-memory stages
+// (lane 0 issued them; it waits, and the warp goes on together).
+template <int Pending>
+__device__ __forceinline__ void warp_wait_read(int lane) {
+    if (lane == 0) bulk_wait_read<Pending>();
+    __syncwarp();
+}
+
 // A warp's 16 rows x 8 * Tiles columns of dQ (fragments of n8 tiles) into its stage in the
 // buffer's tile order (register e of lane L of tile j at j * 128 + L * 4 + e); lane 0 first
 // waits until the warp's adds but the last Pending have read their stages (the stage's last
 // add is older than those).
 template <int Tiles, int Pending>
 __device__ __forceinline__ void stage_dq_rows(float* stage, const float (&dq)[4 * Tiles], int lane) {
-    if (lane == 0) bulk_wait_read<Pending>();
-    __syncwarp();
+    warp_wait_read<Pending>(lane);
     const u32 at = smem_addr(stage + 4 * lane);
 #pragma unroll
     for (int j = 0; j < Tiles; ++j)
@@ -933,8 +940,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         // (the dQ stages) have read them: here behind this step's products, or (LateRelease)
         // after its probabilities.
         if (!LateRelease && g > 0) {
-            if (lane == 0) bulk_wait_read<0>();
-            __syncwarp();
+            warp_wait_read<0>(lane);
             mbar_arrive(&bar.qd_empty[(g - 1) % Stages]);
         }
 
@@ -970,8 +976,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
             for (int nt = 0; nt < NT; ++nt) dscores_t(st, dpt, nt, d_of, to_dst);
         }
         if (LateRelease && g > 0) {
-            if (lane == 0) bulk_wait_read<0>();
-            __syncwarp();
+            warp_wait_read<0>(lane);
             mbar_arrive(&bar.qd_empty[(g - 1) % Stages]);
         }
         // dV += P^T dO and dK += dS^T Q for the warpgroup's columns (sub-tiles 2 wg and 2 wg + 1,

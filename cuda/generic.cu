@@ -220,6 +220,55 @@ __device__ __forceinline__ Chunks visited_chunks(const BlockList& bl, int h, int
     return ch;
 }
 
+// The chunks in turn: rows c0 .. c0 + kChunk - 1 of two tensors (a_rows, b_rows: row addresses;
+// nrows rows) staged into tiles a and b, then body(c0).
+template <typename T, int HeadDim, typename ARows, typename BRows, typename Body>
+__device__ __forceinline__ void stage_chunks(const Chunks& chunks, T* a, ARows&& a_rows, T* b, BRows&& b_rows,
+                                             int nrows, int headdim, int warp, int lane, Body&& body) {
+    for (int c = 0; c < chunks.count; ++c) {
+        const int c0 = chunks.start(c);
+        if (chunks.skip(c0)) continue;   // block-uniform
+        __syncthreads();   // no warp still reads the previous chunk
+        load_chunk<T, HeadDim>(a, a_rows, c0, nrows, headdim, warp, lane);
+        load_chunk<T, HeadDim>(b, b_rows, c0, nrows, headdim, warp, lane);
+        __syncthreads();
+        body(c0);
+    }
+}
+
+// The key chunks that the block of query rows from blockIdx.x * kWarps (one a warp: the
+// forward and the dQ pass) stages into k_tile and v_tile, in turn: body(k0, visible, s, aux)
+// for each chunk that holds keys the warp's row `row` of head h sees (warp-uniform), with s the
+// score of the lane's key k0 + lane after the modifier (aux its backprop state) and `visible`
+// whether the mask lets the row see that key.
+template <typename T, int HeadDim, typename V, typename Params, typename Seq, typename MaskT, typename Body>
+__device__ __forceinline__ void walk_key_chunks(const Params& p, const Seq& seq, const MaskT& mask,
+                                                const PlainScoreMod<V, T>& mod, int h, int row, bool active,
+                                                const T (&q)[HeadDim / 32], T* k_tile, T* v_tile, int warp,
+                                                int lane, Body&& body) {
+    const int hk = h / p.group;
+    const int kbegin = mask.key_begin(row);
+    const int kend = active ? mask.key_end(row) : 0;
+    // The band moves right with the row: the block's first and last rows bound the chunks it
+    // stages.
+    const int first_row = blockIdx.x * kWarps;
+    const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
+    const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+    auto k_rows = [&](int r) { return seq.template k_row<const T>(p.k, hk, r); };
+    auto v_rows = [&](int r) { return seq.template k_row<const T>(p.v, hk, r); };
+    const Chunks chunks = visited_chunks(p.kv_blocks, h, first_row, mask.key_begin(first_row),
+                                         mask.key_end(last_row));
+    stage_chunks<T, HeadDim>(chunks, k_tile, k_rows, v_tile, v_rows, seq.seqlen_k(), p.headdim, warp, lane,
+                             [&](int k0) {
+        if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
+            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin) && !mask.user_hides(row, k0 + lane);
+            T aux;
+            const T s = mod(p, dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row, k0 + lane, aux);
+            body(k0, visible, s, aux);
+        }
+    });
+}
+
 }  // namespace generic_impl
 
 template <typename T, int HeadDim, typename V>
@@ -236,7 +285,7 @@ generic_fwd_kernel(const FwdParams p) {
     const SeqInfo<FwdParams, V::Seq> seq(p, blockIdx.z);
     if (V::Varlen && static_cast<int>(blockIdx.x) * kWarps >= seq.seqlen_q()) return;   // past a packed sequence
     Mask<V, decltype(p)> mask(p);
-    const int h = blockIdx.y, hk = h / p.group;
+    const int h = blockIdx.y;
     mask.at_head(seq.b, h);
     PlainScoreMod<V, T> mod(p);
     mod.at_head(p, seq.b, h);
@@ -244,16 +293,7 @@ generic_fwd_kernel(const FwdParams p) {
     const T drop_scale = static_cast<T>(p.drop.scale);
     const int row = blockIdx.x * kWarps + warp;
     const bool active = row < seq.seqlen_q();
-    const int kbegin = mask.key_begin(row);
-    const int kend = active ? mask.key_end(row) : 0;
-    // The band moves right with the row: the block's first and last rows bound the chunks it
-    // stages.
-    const int first_row = blockIdx.x * kWarps;
-    const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
-    const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
     auto q_rows = [&](int r) { return seq.template q_row<const T>(p.q, h, r); };
-    auto k_rows = [&](int r) { return seq.template k_row<const T>(p.k, hk, r); };
-    auto v_rows = [&](int r) { return seq.template k_row<const T>(p.v, hk, r); };
 
     T q[N], o[N];
     load_row(q, q_rows, row, seq.seqlen_q(), p.headdim, lane);
@@ -262,19 +302,8 @@ generic_fwd_kernel(const FwdParams p) {
     T m = -Prec<T>::inf();   // running max of the scores, in the kernel's base
     T l = T(0);              // running sum of exp(s - m); chunks may come in any order
 
-    const Chunks chunks = visited_chunks(p.kv_blocks, h, first_row, mask.key_begin(first_row),
-                                         mask.key_end(last_row));
-    for (int c = 0; c < chunks.count; ++c) {
-        const int k0 = chunks.start(c);
-        if (chunks.skip(k0)) continue;   // block-uniform
-        __syncthreads();   // no warp still reads the previous chunk
-        load_chunk<T, HeadDim>(k_tile, k_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
-        load_chunk<T, HeadDim>(v_tile, v_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
-        __syncthreads();
-        if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
-            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin) && !mask.user_hides(row, k0 + lane);
-            T aux;
-            const T s = mod(p, dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row, k0 + lane, aux);
+    walk_key_chunks<T, HeadDim>(
+        p, seq, mask, mod, h, row, active, q, k_tile, v_tile, warp, lane, [&](int k0, bool visible, T s, T) {
             const T chunk_max = warp_max(visible ? s : -Prec<T>::inf());
             const T m_new = chunk_max > m ? chunk_max : m;
             // Scores of -inf (from infinite inputs) can leave the max at -inf: subtract 0 then,
@@ -289,8 +318,7 @@ generic_fwd_kernel(const FwdParams p) {
             const T wj = !V::Dropout ? pj : drop.keep(row, k0 + lane) ? pj * drop_scale : T(0);
             add_weighted_rows<T, HeadDim>(o, wj, v_tile, lane);
             m = m_new;
-        }
-    }
+        });
 
     if (active) {
         // A row that saw no key (causal, seqlen_q > seqlen_k) has l = 0: output 0, lse -inf.
@@ -316,7 +344,7 @@ generic_bwd_dq_kernel(const BwdParams p) {
     const SeqInfo<BwdParams, V::Seq> seq(p, blockIdx.z);
     if (V::Varlen && static_cast<int>(blockIdx.x) * kWarps >= seq.seqlen_q()) return;   // past a packed sequence
     Mask<V, decltype(p)> mask(p);
-    const int h = blockIdx.y, hk = h / p.group;
+    const int h = blockIdx.y;
     mask.at_head(seq.b, h);
     PlainScoreMod<V, T> mod(p);
     mod.at_head(p, seq.b, h);
@@ -324,15 +352,8 @@ generic_bwd_dq_kernel(const BwdParams p) {
     const T drop_scale = static_cast<T>(p.drop.scale);
     const int row = blockIdx.x * kWarps + warp;
     const bool active = row < seq.seqlen_q();
-    const int kbegin = mask.key_begin(row);
-    const int kend = active ? mask.key_end(row) : 0;
-    const int first_row = blockIdx.x * kWarps;
-    const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
-    const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
     auto q_rows = [&](int r) { return seq.template q_row<const T>(p.q, h, r); };
     auto dout_rows = [&](int r) { return seq.template q_row<const T>(p.dout, h, r); };
-    auto k_rows = [&](int r) { return seq.template k_row<const T>(p.k, hk, r); };
-    auto v_rows = [&](int r) { return seq.template k_row<const T>(p.v, hk, r); };
 
     T q[N], dout[N], dq[N];
     load_row(q, q_rows, row, seq.seqlen_q(), p.headdim, lane);
@@ -346,26 +367,15 @@ generic_bwd_dq_kernel(const BwdParams p) {
         dsum = static_cast<const T*>(p.dsum)[s];
     }
 
-    const Chunks chunks = visited_chunks(p.kv_blocks, h, first_row, mask.key_begin(first_row),
-                                         mask.key_end(last_row));
-    for (int c = 0; c < chunks.count; ++c) {
-        const int k0 = chunks.start(c);
-        if (chunks.skip(k0)) continue;   // block-uniform
-        __syncthreads();   // no warp still reads the previous chunk
-        load_chunk<T, HeadDim>(k_tile, k_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
-        load_chunk<T, HeadDim>(v_tile, v_rows, k0, seq.seqlen_k(), p.headdim, warp, lane);
-        __syncthreads();
-        if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
-            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin) && !mask.user_hides(row, k0 + lane);
-            T aux;
-            const T s = mod(p, dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row, k0 + lane, aux);
+    walk_key_chunks<T, HeadDim>(
+        p, seq, mask, mod, h, row, active, q, k_tile, v_tile, warp, lane, [&](int k0, bool visible, T s, T aux) {
             const T dp = dot_with_rows<T, HeadDim>(dout, v_tile, lane);
             const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
             // dS = P (keep dP / (1 - p) - D) with dropout.
             const T dpd = !V::Dropout ? dp : drop.keep(row, k0 + lane) ? dp * drop_scale : T(0);
-            add_weighted_rows<T, HeadDim>(dq, mod.backprop(p, pj * (dpd - dsum), aux, row, k0 + lane, false), k_tile, lane);
-        }
-    }
+            add_weighted_rows<T, HeadDim>(dq, mod.backprop(p, pj * (dpd - dsum), aux, row, k0 + lane, false), k_tile,
+                                          lane);
+        });
 
     // Rows without keys never entered the loop: dq = 0.
     if (active) store_row(seq.template q_row<T>(p.dq, h, row), dq, static_cast<T>(p.scale), p.headdim, lane);
@@ -419,13 +429,8 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
         // Each query head its own list (one shared list when the mask has one head).
         const Chunks chunks = visited_chunks(p.q_blocks, h, first_key, mask.query_begin(first_key),
                                              mask.query_end(last_key));
-        for (int c = 0; c < chunks.count; ++c) {
-            const int q0 = chunks.start(c);
-            if (chunks.skip(q0)) continue;   // block-uniform
-            __syncthreads();   // no warp still reads the previous chunk
-            load_chunk<T, HeadDim>(q_tile, q_rows, q0, seq.seqlen_q(), p.headdim, warp, lane);
-            load_chunk<T, HeadDim>(dout_tile, dout_rows, q0, seq.seqlen_q(), p.headdim, warp, lane);
-            __syncthreads();
+        stage_chunks<T, HeadDim>(chunks, q_tile, q_rows, dout_tile, dout_rows, seq.seqlen_q(), p.headdim, warp, lane,
+                                 [&](int q0) {
             if (active && q0 + kChunk > qbegin && (!V::Local || q0 < qend)) {   // warp-uniform
                 const int qi = q0 + lane;
                 const bool visible = qi >= qbegin && qi < qend && !mask.user_hides(qi, key);
@@ -443,7 +448,7 @@ generic_bwd_dkdv_kernel(const BwdParams p) {
                 add_weighted_rows<T, HeadDim>(dv, !V::Dropout ? pj : kept ? pj * drop_scale : T(0), dout_tile, lane);
                 add_weighted_rows<T, HeadDim>(dk, mod.backprop(p, pj * (dpd - dsum), aux, qi, key, true), q_tile, lane);
             }
-        }
+        });
     }
 
     mod.flush_grads(p);
