@@ -316,6 +316,24 @@ __device__ __forceinline__ void bwd_sm90_produce(const BwdSm90Params& tp, const 
     }
 }
 
+// The block's start in both dK/dV kernels: the barriers set, then the producer (threads from
+// Consumers on, its registers given back) makes every copy of the block (bwd_sm90_produce) and
+// is told to return (true); the consumers take the registers it gave (false).
+template <int Stages, int Br, int KeyTiles, int Chunks, int Consumers, typename V, typename Seq>
+__device__ __forceinline__ bool bwd_sm90_split(const BwdSm90Params& tp, const Seq& seq, const BwdSteps<V>& steps,
+                                               int col0, u16* sK, u16* sV, u16* sQ, u16* sdO, float2 (*sstat)[Br],
+                                               BwdSm90Barriers<Stages>& bar) {
+    if (threadIdx.x == 0) bar.init(Consumers);
+    __syncthreads();
+    if (threadIdx.x >= Consumers) {
+        setmaxnreg_dec<24>();
+        bwd_sm90_produce<Stages, Br, KeyTiles, Chunks>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar);
+        return true;
+    }
+    setmaxnreg_inc<240>();
+    return false;
+}
+
 // Returns once the warp's bulk adds but the last Pending have read their shared-memory stages
 // (lane 0 issued them; it waits, and the warp goes on together).
 template <int Pending>
@@ -577,15 +595,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params tp) {
     mask.at_batch(at.batch);
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
-    if (threadIdx.x == 0) bar.init(Consumers);
-    __syncthreads();
-
-    if (threadIdx.x >= Consumers) {
-        setmaxnreg_dec<24>();
-        bwd_sm90_produce<Stages, Br, 2, Halves>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar);
-        return;
-    }
-    setmaxnreg_inc<240>();
+    if (bwd_sm90_split<Stages, Br, 2, Halves, Consumers>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar)) return;
 
     // The warp index from lane 0 (warp_uniform) keeps the addresses derived from it in uniform
     // registers (with the added descriptors, 971 -> 691 instructions a step at d = 128); beside
@@ -888,15 +898,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
     mask.at_batch(at.batch);
     const BwdSteps<V> steps{p, mask, at.head, n_tile, Br, Bc};
 
-    if (threadIdx.x == 0) bar.init(Consumers);
-    __syncthreads();
-
-    if (threadIdx.x >= Consumers) {
-        setmaxnreg_dec<24>();
-        bwd_sm90_produce<Stages, Br, 1, Chunks>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar);
-        return;
-    }
-    setmaxnreg_inc<240>();
+    if (bwd_sm90_split<Stages, Br, 1, Chunks, Consumers>(tp, seq, steps, col0, sK, sV, sQ, sdO, sstat, bar)) return;
 
     const int warp = warp_uniform(), lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
     const int t = lane % 4, key_w = 16 * wq, q_w = QW * wg;   // the warp's first key, the warpgroup's first query
