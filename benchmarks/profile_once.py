@@ -11,7 +11,11 @@ parser.add_argument("--impl", choices=("ours", "sdpa"), default="ours")
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--headdim", type=int, default=128)
 parser.add_argument("--seqlen", type=int, default=8192)
+parser.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), default=(-1, -1),
+                    help="window_size (ours only)")
 args = parser.parse_args()
+if args.impl == "sdpa" and tuple(args.window) != (-1, -1):
+    parser.error("--window: SDPA's flash backend has no window")
 
 shape = (max(1, 16384 // args.seqlen), args.seqlen, 2048 // args.headdim, args.headdim)
 if args.impl == "ours":
@@ -23,8 +27,9 @@ if args.impl == "ours":
     q, k, v, dout = (cp.random.standard_normal(shape, dtype=cp.float32).astype(ml_dtypes.bfloat16)
                      for _ in range(4))
     for _ in range(2):
-        out, lse = cf.flash_attention(q, k, v, causal=args.causal, return_lse=True)
-        cf.flash_attention_backward(dout, q, k, v, out, lse, causal=args.causal)
+        kw = dict(causal=args.causal, window_size=tuple(args.window))
+        out, lse = cf.flash_attention(q, k, v, return_lse=True, **kw)
+        cf.flash_attention_backward(dout, q, k, v, out, lse, **kw)
     cp.cuda.Device().synchronize()
 else:
     import torch
