@@ -236,38 +236,69 @@ __device__ __forceinline__ void stage_chunks(const Chunks& chunks, T* a, ARows&&
     }
 }
 
-// The key chunks that the block of query rows from blockIdx.x * kWarps (one a warp: the
-// forward and the dQ pass) stages into k_tile and v_tile, in turn: body(k0, visible, s, aux)
-// for each chunk that holds keys the warp's row `row` of head h sees (warp-uniform), with s the
-// score of the lane's key k0 + lane after the modifier (aux its backprop state) and `visible`
-// whether the mask lets the row see that key.
-template <typename T, int HeadDim, typename V, typename Params, typename Seq, typename MaskT, typename Body>
-__device__ __forceinline__ void walk_key_chunks(const Params& p, const Seq& seq, const MaskT& mask,
-                                                const PlainScoreMod<V, T>& mod, int h, int row, bool active,
-                                                const T (&q)[HeadDim / 32], T* k_tile, T* v_tile, int warp,
-                                                int lane, Body&& body) {
-    const int hk = h / p.group;
-    const int kbegin = mask.key_begin(row);
-    const int kend = active ? mask.key_end(row) : 0;
-    // The band moves right with the row: the block's first and last rows bound the chunks it
-    // stages.
-    const int first_row = blockIdx.x * kWarps;
-    const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
-    const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
-    auto k_rows = [&](int r) { return seq.template k_row<const T>(p.k, hk, r); };
-    auto v_rows = [&](int r) { return seq.template k_row<const T>(p.v, hk, r); };
-    const Chunks chunks = visited_chunks(p.kv_blocks, h, first_row, mask.key_begin(first_row),
-                                         mask.key_end(last_row));
-    stage_chunks<T, HeadDim>(chunks, k_tile, k_rows, v_tile, v_rows, seq.seqlen_k(), p.headdim, warp, lane,
-                             [&](int k0) {
-        if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
-            const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin) && !mask.user_hides(row, k0 + lane);
-            T aux;
-            const T s = mod(p, dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row, k0 + lane, aux);
-            body(k0, visible, s, aux);
-        }
-    });
-}
+// The warp's query row in the forward and the dQ pass (one a warp, kWarps rows a block, block
+// (row block, head, batch entry)): its head's mask, score modifier and dropout, and the walk
+// over the key chunks the block stages.
+template <typename T, typename V, typename Params>
+struct QueryRow {
+    const Params& p;
+    const SeqInfo<Params, V::Seq> seq;
+    Mask<V, Params> mask;
+    PlainScoreMod<V, T> mod;
+    const Dropout drop;
+    const T drop_scale;
+    const int h, row;
+    const bool active;   // the row is inside the sequence
+
+    __device__ __forceinline__ QueryRow(const Params& params, int warp)
+        : p(params), seq(params, blockIdx.z), mask(params), mod(params), drop(params, seq.b, blockIdx.y),
+          drop_scale(static_cast<T>(params.drop.scale)), h(blockIdx.y), row(blockIdx.x * kWarps + warp),
+          active(row < seq.seqlen_q()) {
+        mask.at_head(seq.b, h);
+        mod.at_head(params, seq.b, h);
+    }
+    // No row of the block is in its packed sequence.
+    __device__ __forceinline__ bool past_end() const {
+        return V::Varlen && static_cast<int>(blockIdx.x) * kWarps >= seq.seqlen_q();
+    }
+    // The row of a query-shaped tensor x (q, dout) into registers.
+    template <int N>
+    __device__ __forceinline__ void load(T (&dst)[N], const TensorRef& x, int lane) const {
+        load_row(dst, [&](int r) { return seq.template q_row<const T>(x, h, r); }, row, seq.seqlen_q(), p.headdim,
+                 lane);
+    }
+
+    // The key chunks that the block stages into k_tile and v_tile, in turn: body(k0, visible, s,
+    // aux) for each chunk that holds keys the row sees (warp-uniform), with s the score of the
+    // lane's key k0 + lane after the modifier (aux its backprop state) and `visible` whether the
+    // mask lets the row see that key.
+    template <int HeadDim, typename Body>
+    __device__ __forceinline__ void walk(const T (&q)[HeadDim / 32], T* k_tile, T* v_tile, int warp, int lane,
+                                         Body&& body) const {
+        const int hk = h / p.group;
+        const int kbegin = mask.key_begin(row);
+        const int kend = active ? mask.key_end(row) : 0;
+        // The band moves right with the row: the block's first and last rows bound the chunks
+        // it stages.
+        const int first_row = blockIdx.x * kWarps;
+        const int last_row = min(first_row + kWarps, seq.seqlen_q()) - 1;
+        const T scale = Prec<T>::score_scale(p.scale, p.scale_log2);
+        auto k_rows = [&](int r) { return seq.template k_row<const T>(p.k, hk, r); };
+        auto v_rows = [&](int r) { return seq.template k_row<const T>(p.v, hk, r); };
+        const Chunks chunks = visited_chunks(p.kv_blocks, h, first_row, mask.key_begin(first_row),
+                                             mask.key_end(last_row));
+        stage_chunks<T, HeadDim>(chunks, k_tile, k_rows, v_tile, v_rows, seq.seqlen_k(), p.headdim, warp, lane,
+                                 [&](int k0) {
+            if (k0 < kend && (!V::Local || k0 + kChunk > kbegin)) {   // warp-uniform
+                const bool visible = k0 + lane < kend && (!V::Local || k0 + lane >= kbegin) &&
+                                     !mask.user_hides(row, k0 + lane);
+                T aux;
+                const T s = mod(p, dot_with_rows<T, HeadDim>(q, k_tile, lane) * scale, row, k0 + lane, aux);
+                body(k0, visible, s, aux);
+            }
+        });
+    }
+};
 
 }  // namespace generic_impl
 
@@ -282,51 +313,41 @@ generic_fwd_kernel(const FwdParams p) {
     T* v_tile = k_tile + kChunk * (HeadDim + 1);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const SeqInfo<FwdParams, V::Seq> seq(p, blockIdx.z);
-    if (V::Varlen && static_cast<int>(blockIdx.x) * kWarps >= seq.seqlen_q()) return;   // past a packed sequence
-    Mask<V, decltype(p)> mask(p);
-    const int h = blockIdx.y;
-    mask.at_head(seq.b, h);
-    PlainScoreMod<V, T> mod(p);
-    mod.at_head(p, seq.b, h);
-    const Dropout drop(p, seq.b, h);
-    const T drop_scale = static_cast<T>(p.drop.scale);
-    const int row = blockIdx.x * kWarps + warp;
-    const bool active = row < seq.seqlen_q();
-    auto q_rows = [&](int r) { return seq.template q_row<const T>(p.q, h, r); };
+    const QueryRow<T, V, FwdParams> qr(p, warp);
+    if (qr.past_end()) return;
+    const int row = qr.row;
 
     T q[N], o[N];
-    load_row(q, q_rows, row, seq.seqlen_q(), p.headdim, lane);
+    qr.load(q, p.q, lane);
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] = T(0);
     T m = -Prec<T>::inf();   // running max of the scores, in the kernel's base
     T l = T(0);              // running sum of exp(s - m); chunks may come in any order
 
-    walk_key_chunks<T, HeadDim>(
-        p, seq, mask, mod, h, row, active, q, k_tile, v_tile, warp, lane, [&](int k0, bool visible, T s, T) {
-            const T chunk_max = warp_max(visible ? s : -Prec<T>::inf());
-            const T m_new = chunk_max > m ? chunk_max : m;
-            // Scores of -inf (from infinite inputs) can leave the max at -inf: subtract 0 then,
-            // so that their weights are 0 rather than exp(-inf - -inf) = NaN.
-            const T base = m_new == -Prec<T>::inf() ? T(0) : m_new;
-            const T pj = visible ? Prec<T>::exp_base(s - base) : T(0);
-            const T alpha = Prec<T>::exp_base(m - base);   // 0 on the first chunk: m = -inf
-            l = l * alpha + warp_sum(pj);
+    qr.template walk<HeadDim>(q, k_tile, v_tile, warp, lane, [&](int k0, bool visible, T s, T) {
+        const T chunk_max = warp_max(visible ? s : -Prec<T>::inf());
+        const T m_new = chunk_max > m ? chunk_max : m;
+        // Scores of -inf (from infinite inputs) can leave the max at -inf: subtract 0 then,
+        // so that their weights are 0 rather than exp(-inf - -inf) = NaN.
+        const T base = m_new == -Prec<T>::inf() ? T(0) : m_new;
+        const T pj = visible ? Prec<T>::exp_base(s - base) : T(0);
+        const T alpha = Prec<T>::exp_base(m - base);   // 0 on the first chunk: m = -inf
+        l = l * alpha + warp_sum(pj);
 #pragma unroll
-            for (int i = 0; i < N; ++i) o[i] *= alpha;
-            // Dropout drops weights from o only: l is the undropped sum.
-            const T wj = !V::Dropout ? pj : drop.keep(row, k0 + lane) ? pj * drop_scale : T(0);
-            add_weighted_rows<T, HeadDim>(o, wj, v_tile, lane);
-            m = m_new;
-        });
+        for (int i = 0; i < N; ++i) o[i] *= alpha;
+        // Dropout drops weights from o only: l is the undropped sum.
+        const T wj = !V::Dropout ? pj : qr.drop.keep(row, k0 + lane) ? pj * qr.drop_scale : T(0);
+        add_weighted_rows<T, HeadDim>(o, wj, v_tile, lane);
+        m = m_new;
+    });
 
-    if (active) {
+    if (qr.active) {
         // A row that saw no key (causal, seqlen_q > seqlen_k) has l = 0: output 0, lse -inf.
         // A NaN l (NaN in q or k, a +inf score) is not that: out and lse stay NaN.
         const bool seen = l != T(0);
-        store_row(seq.template q_row<T>(p.o, h, row), o, seen ? T(1) / l : T(0), p.headdim, lane);
+        store_row(qr.seq.template q_row<T>(p.o, qr.h, row), o, seen ? T(1) / l : T(0), p.headdim, lane);
         if (lane == 0)
-            static_cast<T*>(p.lse)[seq.stat(h, row)] = seen ? Prec<T>::lse_ln(m, l) : -Prec<T>::inf();
+            static_cast<T*>(p.lse)[qr.seq.stat(qr.h, row)] = seen ? Prec<T>::lse_ln(m, l) : -Prec<T>::inf();
     }
 }
 
@@ -341,44 +362,33 @@ generic_bwd_dq_kernel(const BwdParams p) {
     T* v_tile = k_tile + kChunk * (HeadDim + 1);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const SeqInfo<BwdParams, V::Seq> seq(p, blockIdx.z);
-    if (V::Varlen && static_cast<int>(blockIdx.x) * kWarps >= seq.seqlen_q()) return;   // past a packed sequence
-    Mask<V, decltype(p)> mask(p);
-    const int h = blockIdx.y;
-    mask.at_head(seq.b, h);
-    PlainScoreMod<V, T> mod(p);
-    mod.at_head(p, seq.b, h);
-    const Dropout drop(p, seq.b, h);
-    const T drop_scale = static_cast<T>(p.drop.scale);
-    const int row = blockIdx.x * kWarps + warp;
-    const bool active = row < seq.seqlen_q();
-    auto q_rows = [&](int r) { return seq.template q_row<const T>(p.q, h, r); };
-    auto dout_rows = [&](int r) { return seq.template q_row<const T>(p.dout, h, r); };
+    const QueryRow<T, V, BwdParams> qr(p, warp);
+    if (qr.past_end()) return;
+    const int row = qr.row;
 
     T q[N], dout[N], dq[N];
-    load_row(q, q_rows, row, seq.seqlen_q(), p.headdim, lane);
-    load_row(dout, dout_rows, row, seq.seqlen_q(), p.headdim, lane);
+    qr.load(q, p.q, lane);
+    qr.load(dout, p.dout, lane);
 #pragma unroll
     for (int i = 0; i < N; ++i) dq[i] = T(0);
     T lse = Prec<T>::inf(), dsum = T(0);
-    if (active) {
-        const index_t s = seq.stat(h, row);
+    if (qr.active) {
+        const index_t s = qr.seq.stat(qr.h, row);
         lse = lse_for_exp(static_cast<const T*>(p.lse)[s]);
         dsum = static_cast<const T*>(p.dsum)[s];
     }
 
-    walk_key_chunks<T, HeadDim>(
-        p, seq, mask, mod, h, row, active, q, k_tile, v_tile, warp, lane, [&](int k0, bool visible, T s, T aux) {
-            const T dp = dot_with_rows<T, HeadDim>(dout, v_tile, lane);
-            const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
-            // dS = P (keep dP / (1 - p) - D) with dropout.
-            const T dpd = !V::Dropout ? dp : drop.keep(row, k0 + lane) ? dp * drop_scale : T(0);
-            add_weighted_rows<T, HeadDim>(dq, mod.backprop(p, pj * (dpd - dsum), aux, row, k0 + lane, false), k_tile,
-                                          lane);
-        });
+    qr.template walk<HeadDim>(q, k_tile, v_tile, warp, lane, [&](int k0, bool visible, T s, T aux) {
+        const T dp = dot_with_rows<T, HeadDim>(dout, v_tile, lane);
+        const T pj = visible ? Prec<T>::exp_base(s - lse) : T(0);
+        // dS = P (keep dP / (1 - p) - D) with dropout.
+        const T dpd = !V::Dropout ? dp : qr.drop.keep(row, k0 + lane) ? dp * qr.drop_scale : T(0);
+        add_weighted_rows<T, HeadDim>(dq, qr.mod.backprop(p, pj * (dpd - dsum), aux, row, k0 + lane, false),
+                                      k_tile, lane);
+    });
 
     // Rows without keys never entered the loop: dq = 0.
-    if (active) store_row(seq.template q_row<T>(p.dq, h, row), dq, static_cast<T>(p.scale), p.headdim, lane);
+    if (qr.active) store_row(qr.seq.template q_row<T>(p.dq, qr.h, row), dq, static_cast<T>(p.scale), p.headdim, lane);
 }
 
 template <typename T, int HeadDim, typename V>
