@@ -342,6 +342,14 @@ __device__ __forceinline__ void warp_wait_read(int lane) {
     __syncwarp();
 }
 
+// The wide kernel's stage of step g - 1 (its Q and dO tiles, which held that step's dQ stages)
+// goes back to the producer once the warp's adds from it have read it.
+template <int Stages>
+__device__ __forceinline__ void release_step_before(BwdSm90Barriers<Stages>& bar, int g, int lane) {
+    warp_wait_read<0>(lane);
+    mbar_arrive(&bar.qd_empty[(g - 1) % Stages]);
+}
+
 // A warp's 16 rows x 8 * Tiles columns of dQ (fragments of n8 tiles) into its stage in the
 // buffer's tile order (register e of lane L of tile j at j * 128 + L * 4 + e); lane 0 first
 // waits until the warp's adds but the last Pending have read their stages (the stage's last
@@ -941,10 +949,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
         // The step before's Q and dO go back to the producer once the warp's adds from them
         // (the dQ stages) have read them: here behind this step's products, or (LateRelease)
         // after its probabilities.
-        if (!LateRelease && g > 0) {
-            warp_wait_read<0>(lane);
-            mbar_arrive(&bar.qd_empty[(g - 1) % Stages]);
-        }
+        if (!LateRelease && g > 0) release_step_before(bar, g, lane);
 
         // P^T into its tile (keys as rows, K-major for dV's A operand), and in st the factor
         // of dS^T; the tiles are free: with one step's tiles, both warpgroups passed the end
@@ -977,10 +982,7 @@ flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdSm90Params tp) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) dscores_t(st, dpt, nt, d_of, to_dst);
         }
-        if (LateRelease && g > 0) {
-            warp_wait_read<0>(lane);
-            mbar_arrive(&bar.qd_empty[(g - 1) % Stages]);
-        }
+        if (LateRelease && g > 0) release_step_before(bar, g, lane);
         // dV += P^T dO and dK += dS^T Q for the warpgroup's columns (sub-tiles 2 wg and 2 wg + 1,
         // one m64n128 product: P^T and dS^T read once per k16 step), over the queries of half
         // `half` of the tiles (that warpgroup's): its own half first, while the other warpgroup
