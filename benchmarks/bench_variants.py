@@ -1,7 +1,7 @@
 """The variants' speed targets (issue 15, Part 2), measured in one run, bf16, head dim 128:
 
     python benchmarks/bench_variants.py --out DIR [--seqlen 8192] [--window-seqlen 32768]
-                                        [--parts ours flex window] [--reps 20]
+                                        [--parts ours flex window fa4] [--reps 20]
                                         [--kernels generic|auto] [--rules RULE ...]
 
 - Score modifiers, at ``--seqlen`` (16K tokens, 16 heads), causal and not, forward and
@@ -15,6 +15,9 @@
   prefix seen by every query, then causal); ours runs the last three as user mods
   (``cupyflash.ScoreMod`` / ``MaskMod``, the block masks built once by ``from_mask_mod``; the
   relative bias with and without the table's gradient).
+- FlashAttention-4 (``--parts fa4``, where ``flash_attn.cute`` imports: benchmarks/fa4_wheels.sh)
+  on the rules it has built in: plain and ``softcap=30`` beside ours, and the window against its
+  own dense causal; its ratios are written as ``peer_ratios`` (our targets measured on a peer).
 - User mods spelling built-ins: ALiBi as a score_mod, and causal as a mask_mod (not causal
   calls with its block mask). Target: within 1.05 x the built-in of the same pass.
 - Window: ``window_size=(1024, 0)`` (a sliding window over the past 1024 keys, the causal side
@@ -37,7 +40,7 @@ import numpy as np
 import cupyflash as cf
 from cupyflash import bench
 from cupyflash.bench.cases import cp
-from cupyflash.bench.peers import _TorchRunner, flex
+from cupyflash.bench.peers import Fa4, _TorchRunner, flex
 
 HEADDIM, SOFTCAP, PREFIX, DOCUMENTS, WINDOW = 128, 30.0, 1024, 8, (1024, 0)
 MOD_TARGET, DROPOUT_TARGET, WINDOW_TARGET, USER_TARGET = 1.10, 1.25, 1.3, 1.05
@@ -198,15 +201,24 @@ def timed(runner, passes, reps, label, rows):
         print(bench.progress_line(row), label, flush=True)
 
 
-def timed_flex(case, sets, rule, passes, reps, rows):
+def timed_peer(make, impl, case, rule, passes, reps, rows):
+    """Time a peer's runner made by ``make()``; a peer that cannot run leaves failed rows."""
     try:
-        runner = FlexWith(case, sets, rule)
+        runner = make()
     except Exception as e:
-        rows += [dict(bench.failed_row(case, "flex", p, e), rule=rule) for p in passes]
+        rows += [dict(bench.failed_row(case, impl, p, e), rule=rule) for p in passes]
         return
     timed(runner, passes, reps, rule, rows)
     del runner
     bench.release_memory()
+
+
+def timed_flex(case, sets, rule, passes, reps, rows):
+    timed_peer(lambda: FlexWith(case, sets, rule), "flex", case, rule, passes, reps, rows)
+
+
+def timed_fa4(case, sets, rule, passes, reps, rows, **keywords):
+    timed_peer(lambda: Fa4(case, sets, **keywords), "fa4", case, rule, passes, reps, rows)
 
 
 def main():
@@ -216,14 +228,16 @@ def main():
     ap.add_argument("--window-seqlen", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parts", nargs="+", default=["ours", "flex", "window"],
-                    help="ours: our modifiers; flex: FlexAttention's rules; window: the window")
+                    help="ours: our modifiers; flex: FlexAttention's rules; window: the window; "
+                         "fa4: FlashAttention-4's plain, softcap and window")
     ap.add_argument("--rules", nargs="+", help="time only these rules (default: every one)")
     ap.add_argument("--kernels", choices=("generic", "auto"), default="generic",
                     help="CUPYFLASH_KERNELS for our calls; generic (the default) times every row "
                          "on the same kernels: the Hopper forward covers plain attention only")
     args = ap.parse_args()
     os.environ["CUPYFLASH_KERNELS"] = args.kernels
-    ours, use_flex = "ours" in args.parts, "flex" in args.parts
+    ours, use_flex, use_fa4 = ("ours" in args.parts, "flex" in args.parts,
+                               "fa4" in args.parts)
 
     def chosen(rules):
         return tuple(r for r in rules if args.rules is None or r in args.rules)
@@ -242,6 +256,9 @@ def main():
                   passes, args.reps, rule, rows)
         for rule in chosen(FLEX_RULES) if use_flex else ():
             timed_flex(case, sets, rule, passes, args.reps, rows)
+        for rule in chosen(("plain", "softcap")) if use_fa4 else ():
+            timed_fa4(case, sets, rule, passes, args.reps, rows,
+                      **(dict(softcap=SOFTCAP) if rule == "softcap" else {}))
         del sets
         bench.release_memory()
 
@@ -265,13 +282,16 @@ def main():
         timed(OursWith(wcase, sets, "plain"), passes, args.reps, "causal", rows)
         timed(OursWith(wcase, sets, "window", window_size=WINDOW), passes, args.reps,
               f"window{WINDOW}", rows)
+        if use_fa4:
+            timed_fa4(wcase, sets, "causal", passes, args.reps, rows)
+            timed_fa4(wcase, sets, f"window{WINDOW}", passes, args.reps, rows, window_size=WINDOW)
         del sets
         bench.release_memory()
 
-    ratios = target_ratios(rows, share)
+    ratios, peer_ratios = target_ratios(rows, share), target_ratios(rows, share, "fa4")
     bench.write_json(Path(args.out) / "variants_targets.json",
                      bench.report("variants_targets", rows, ratios=ratios, window_share=share,
-                                  parts=args.parts))
+                                  parts=args.parts, peer_ratios=peer_ratios))
     print("\n=== variants ===")
     for r in rows:
         val = (f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s" if "ms" in r
@@ -282,14 +302,19 @@ def main():
     for r in ratios:
         print(f"{r['what']:<44} {r['ratio']:6.3f}  target <= {r['target']:.2f}  "
               f"{'ok' if r['ratio'] <= r['target'] else 'BELOW TARGET'}")
+    if peer_ratios:
+        print("\n=== the same ratios, FlashAttention-4 ===")
+        for r in peer_ratios:
+            print(f"{r['what']:<44} {r['ratio']:6.3f}")
 
 
-def target_ratios(rows, share):
-    """Ours: each modifier's time over plain's, and the window's time over share x causal's."""
+def target_ratios(rows, share, impl_of="cupyflash"):
+    """One implementation's (ours unless said) time of each modifier over its plain time, and
+    of the window over share x its causal time."""
     ms = {(r["impl"], r["rule"], r["causal"], r["pass"]): r["ms"] for r in rows if "ms" in r}
     out = []
     for (impl, rule, causal, pass_), t in ms.items():
-        if impl != "cupyflash":
+        if impl != impl_of:
             continue
         if (rule in ("softcap", "alibi", "softcap_alibi", "dropout")
                 and (impl, "plain", causal, pass_) in ms):

@@ -226,9 +226,10 @@ class Fa4(_TorchRunner):
     impl = "fa4"
     heads_first = False
 
-    def __init__(self, case, sets32):
+    def __init__(self, case, sets32, **keywords):
         if case.pattern != "dense":
             raise Unavailable("FlashAttention-4 is compared on dense cases only")
+        self.keywords = keywords   # flash_attn_func's own (softcap, window_size) for the variants
         _torch()
         try:
             from flash_attn.cute import flash_attn_func
@@ -239,7 +240,7 @@ class Fa4(_TorchRunner):
         super().__init__(case, sets32)
 
     def forward(self, s):
-        out = self.attend(s[0], s[1], s[2], causal=self.case.causal)
+        out = self.attend(s[0], s[1], s[2], causal=self.case.causal, **self.keywords)
         return out if isinstance(out, tuple) else (out,)   # (out, lse) in the releases seen
 
 
