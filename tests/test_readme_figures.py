@@ -21,7 +21,7 @@ TARGET_SEQLENS = (2048, 4096, 8192, 16384)   # the Hopper issue's targets, and F
 def _hopper_paragraph():
     text = (ROOT / "README.md").read_text()
     start = text.index("GPU; `python -m cupyflash bench` names the kernels of each of our rows.")
-    end = text.index("With `deterministic=True`", start)
+    end = text.index("On the variants' rules it has built in", start)
     return text[start:end]
 
 
@@ -673,6 +673,29 @@ def test_readme_d256_forward_key_block_gains_are_the_cited_run():
     for kw in (dict(softcap=5.0), dict(alibi_slopes=np.ones(2, np.float32)), {}):
         assert _launch.sm90_fwd_keys(_spec.CallSpec.of(q, causal=True, **kw), None) == 80
         assert _launch.sm90_fwd_keys(_spec.CallSpec.of(q, causal=True, **kw), "mask") == 64
+
+
+def test_readme_fa4_variant_ratios_are_the_cited_run():
+    """softcap's and the window's cost over each one's own plain (causal) attention, ours and
+    FlashAttention-4's, as the sentence after the FlashAttention-4 paragraph gives them."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("On the variants' rules it has built in")
+    sentence = " ".join(text[start:text.index("With `deterministic=True`", start)].split())
+    (path,) = re.findall(r"`(benchmarks/results/[^`]+\.json)`", sentence)
+    config = json.loads((ROOT / path).read_text())["config"]
+
+    def figures(ratios, rule, pass_):
+        return _spread([r["ratio"] for r in ratios
+                        if r["what"].startswith(rule) and f" {pass_} " in r["what"]], ".2f")
+
+    ours, fa4 = config["ratios"], config["peer_ratios"]
+    expected = tuple(figures(impl, rule, pass_) for rule in ("softcap", "window(1024, 0)")
+                     for pass_ in ("fwd", "bwd") for impl in (ours, fa4))
+    found = re.search(r"softcap's forward took ([\d.-]+)x ours and ([\d.-]+)x FlashAttention-4's, its "
+                      r"backward ([\d.-]+)x and ([\d.-]+)x; the window's forward took ([\d.-]+)x its causal "
+                      r"share in ours and ([\d.-]+)x in FlashAttention-4's, the backward ([\d.-]+)x and "
+                      r"([\d.-]+)x\.", sentence).groups()
+    assert found == expected
 
 
 def test_readme_planned_hopper_cells_are_open_in_the_cited_runs():
