@@ -17,7 +17,8 @@
   relative bias with and without the table's gradient).
 - FlashAttention-4 (``--parts fa4``, where ``flash_attn.cute`` imports: benchmarks/fa4_wheels.sh)
   on the rules it has built in: plain and ``softcap=30`` beside ours, and the window against its
-  own dense causal; its ratios are written as ``peer_ratios`` (our targets measured on a peer).
+  own dense causal; and ALiBi as its own user score_mod (``fa4_alibi_mods``: slopes (h + 1) / 32,
+  no table). Its ratios are written as ``peer_ratios`` (our targets measured on a peer).
 - User mods spelling built-ins: ALiBi as a score_mod, and causal as a mask_mod (not causal
   calls with its block mask). Target: within 1.05 x the built-in of the same pass.
 - Window: ``window_size=(1024, 0)`` (a sliding window over the past 1024 keys, the causal side
@@ -201,6 +202,32 @@ def timed(runner, passes, reps, label, rows):
         print(bench.progress_line(row), label, flush=True)
 
 
+def fa4_alibi_mods():
+    """FlashAttention-4's score_mod and its gradient for ALiBi, written in NVIDIA's CuTe DSL
+    (FA4 compiles them into its kernels): score - slope_h |q - kv| with slope_h = (h + 1) / 32,
+    a slope per head without a table (the geometric slopes would need an exponential per score
+    or an aux tensor); the score's gradient passes through."""
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.jit
+    def alibi(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        slope = (head_idx + 1).to(cutlass.Float32) * (1.0 / 32)
+        return score - slope * cute.math.abs((q_idx - kv_idx).to(cutlass.Float32))
+
+    @cute.jit
+    def alibi_bwd(grad, score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return grad
+
+    return dict(score_mod=alibi, score_mod_bwd=alibi_bwd)
+
+
+def fa4_keywords(rule):
+    if rule == "softcap":
+        return dict(softcap=SOFTCAP)
+    return fa4_alibi_mods() if rule == "user_alibi" else {}
+
+
 def timed_peer(make, impl, case, rule, passes, reps, rows):
     """Time a peer's runner made by ``make()``; a peer that cannot run leaves failed rows."""
     try:
@@ -229,7 +256,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parts", nargs="+", default=["ours", "flex", "window"],
                     help="ours: our modifiers; flex: FlexAttention's rules; window: the window; "
-                         "fa4: FlashAttention-4's plain, softcap and window")
+                         "fa4: FlashAttention-4's plain, softcap, ALiBi score_mod and window")
     ap.add_argument("--rules", nargs="+", help="time only these rules (default: every one)")
     ap.add_argument("--kernels", choices=("generic", "auto"), default="generic",
                     help="CUPYFLASH_KERNELS for our calls; generic (the default) times every row "
@@ -256,9 +283,8 @@ def main():
                   passes, args.reps, rule, rows)
         for rule in chosen(FLEX_RULES) if use_flex else ():
             timed_flex(case, sets, rule, passes, args.reps, rows)
-        for rule in chosen(("plain", "softcap")) if use_fa4 else ():
-            timed_fa4(case, sets, rule, passes, args.reps, rows,
-                      **(dict(softcap=SOFTCAP) if rule == "softcap" else {}))
+        for rule in chosen(("plain", "softcap", "user_alibi")) if use_fa4 else ():
+            timed_fa4(case, sets, rule, passes, args.reps, rows, **fa4_keywords(rule))
         del sets
         bench.release_memory()
 
@@ -320,6 +346,9 @@ def target_ratios(rows, share, impl_of="cupyflash"):
                 and (impl, "plain", causal, pass_) in ms):
             out.append(dict(what=f"{rule} causal={causal} {pass_} / plain",
                             target=DROPOUT_TARGET if rule == "dropout" else MOD_TARGET,
+                            ratio=t / ms[impl, "plain", causal, pass_]))
+        if rule == "user_alibi" and (impl, "plain", causal, pass_) in ms:   # the issue's own rule
+            out.append(dict(what=f"{rule} causal={causal} {pass_} / plain", target=MOD_TARGET,
                             ratio=t / ms[impl, "plain", causal, pass_]))
         builtin = {"user_alibi": ("alibi", causal), "user_causal": ("plain", True)}.get(rule)
         if builtin and (impl, *builtin, pass_) in ms:
