@@ -229,7 +229,7 @@ class Fa4(_TorchRunner):
     def __init__(self, case, sets32, **keywords):
         if case.pattern != "dense":
             raise Unavailable("FlashAttention-4 is compared on dense cases only")
-        self.keywords = keywords   # flash_attn_func's own (softcap, window_size) for the variants
+        self.keywords = keywords   # flash_attn_func's own for the variants (softcap, window_size, score_mod)
         _torch()
         try:
             from flash_attn.cute import flash_attn_func
