@@ -342,13 +342,11 @@ def target_ratios(rows, share, impl_of="cupyflash"):
     for (impl, rule, causal, pass_), t in ms.items():
         if impl != impl_of:
             continue
-        if (rule in ("softcap", "alibi", "softcap_alibi", "dropout")
+        # A user score_mod over plain too: the issue's own rule (its built-in below is stricter).
+        if (rule in ("softcap", "alibi", "softcap_alibi", "dropout", "user_alibi")
                 and (impl, "plain", causal, pass_) in ms):
             out.append(dict(what=f"{rule} causal={causal} {pass_} / plain",
                             target=DROPOUT_TARGET if rule == "dropout" else MOD_TARGET,
-                            ratio=t / ms[impl, "plain", causal, pass_]))
-        if rule == "user_alibi" and (impl, "plain", causal, pass_) in ms:   # the issue's own rule
-            out.append(dict(what=f"{rule} causal={causal} {pass_} / plain", target=MOD_TARGET,
                             ratio=t / ms[impl, "plain", causal, pass_]))
         builtin = {"user_alibi": ("alibi", causal), "user_causal": ("plain", True)}.get(rule)
         if builtin and (impl, *builtin, pass_) in ms:
